@@ -1,0 +1,49 @@
+"""sidco_jax: SIDCo statistical gradient compression for JAX.
+
+The public API is flat; everything under ``sidco_jax._src`` is private.
+"""
+
+from sidco_jax._src.fits import (
+    ExponentialFit,
+    GammaFit,
+    GParetoFit,
+    exponential_from_sums,
+    exponential_isf,
+    fit_exponential,
+    fit_gamma,
+    fit_gpareto,
+    gamma_from_sums,
+    gamma_isf,
+    gpareto_from_sums,
+    gpareto_isf,
+)
+from sidco_jax._src.payload import MAX_SIZE, Payload, capacity, densify, sparsify
+from sidco_jax._src.special import gammainccinv, gammaincinv
+from sidco_jax._src.thresholds import ESTIMATORS, max_stages, threshold
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ESTIMATORS",
+    "MAX_SIZE",
+    "ExponentialFit",
+    "GParetoFit",
+    "GammaFit",
+    "Payload",
+    "capacity",
+    "densify",
+    "exponential_from_sums",
+    "exponential_isf",
+    "fit_exponential",
+    "fit_gamma",
+    "fit_gpareto",
+    "gamma_from_sums",
+    "gamma_isf",
+    "gammainccinv",
+    "gammaincinv",
+    "gpareto_from_sums",
+    "gpareto_isf",
+    "max_stages",
+    "sparsify",
+    "threshold",
+]
