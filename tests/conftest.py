@@ -1,0 +1,35 @@
+"""Test set-up: 8 forced CPU devices, set before JAX initialises its backends."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    assert jax.device_count() == 8, jax.devices()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def samples(rng):
+    """Synthetic gradients of the shapes the paper discusses."""
+    n = 2**18
+    sign = rng.choice([-1.0, 1.0], n)
+    return {
+        "laplace": rng.laplace(size=n),
+        "student_t3": rng.standard_t(3, size=n),
+        "normal": rng.normal(size=n),
+        "gamma0.3": sign * rng.gamma(0.3, size=n),
+    }

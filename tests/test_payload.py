@@ -1,0 +1,95 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sidco_jax as sidco
+
+
+def oracle(x, eta, capacity):
+    selected = np.flatnonzero(np.abs(x) > eta)
+    return selected[:capacity], selected.size
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099, 2**16 + 3])
+@pytest.mark.parametrize("block", [None, 4, 32])
+@pytest.mark.parametrize("density", [0.6, 0.05])
+def test_payload_is_the_first_selected_entries(rng, n, block, density):
+    x = rng.standard_t(3, size=n).astype(np.float32)
+    eta = np.float32(np.quantile(np.abs(x), 1 - density)) if n > 1 else np.float32(0.5)
+    cap = sidco.capacity(n, density * 0.8)  # some overflow
+    p = jax.jit(lambda x: sidco.sparsify(x, eta, cap, block=block))(x)
+    want, total = oracle(x, eta, cap)
+    count = int(p.count)
+    assert count == want.size and int(p.selected) == total
+    assert int(p.overflow) == total - want.size
+    np.testing.assert_array_equal(np.asarray(p.indices)[:count], want)
+    np.testing.assert_array_equal(np.asarray(p.values)[:count], x[want])
+    assert np.all(np.asarray(p.indices)[count:] == n) and np.all(np.asarray(p.values)[count:] == 0)
+
+
+def test_round_trip_without_overflow(rng):
+    x = rng.laplace(size=(64, 513)).astype(np.float32)
+    eta = sidco.threshold(x, 0.01, stages=2)
+    p = sidco.sparsify(x, eta, sidco.capacity(x.size, 0.01, factor=2.0))
+    assert int(p.overflow) == 0
+    dense = sidco.densify(p, x.size).reshape(x.shape)
+    np.testing.assert_array_equal(dense, np.where(np.abs(x) > float(eta), x, 0))
+
+
+def test_overflow_is_counted_exactly(rng):
+    x = rng.normal(size=10_000).astype(np.float32)
+    p = sidco.sparsify(x, 0.0, capacity=100)  # everything nonzero is selected
+    assert int(p.selected) == np.count_nonzero(x) and int(p.overflow) == int(p.selected) - 100
+    sent = np.asarray(sidco.densify(p, x.size))
+    np.testing.assert_array_equal(sent[:100], x[:100])
+    assert np.all(sent[100:] == 0)
+
+
+def test_densify_accumulates_duplicates_and_drops_padding():
+    a = sidco.sparsify(jnp.array([1.0, 0.0, 3.0, 0.0]), 0.5, capacity=3)
+    b = sidco.sparsify(jnp.array([2.0, 5.0, 0.0, 0.0]), 0.5, capacity=3)
+    stacked = jax.tree.map(lambda *t: jnp.stack(t), a, b)
+    np.testing.assert_array_equal(sidco.densify(stacked, 4), [3.0, 5.0, 3.0, 0.0])
+
+
+def test_nan_entries_are_never_selected_and_negative_threshold_selects_all():
+    x = jnp.array([jnp.nan, 2.0, 0.0, -1.0, 0.0])
+    p = sidco.sparsify(x, 1.0, capacity=4)
+    np.testing.assert_array_equal(p.indices, [1, 5, 5, 5])
+    q = sidco.sparsify(x[1:], -1.0, capacity=4)
+    np.testing.assert_array_equal(sidco.densify(q, 4), x[1:])
+
+
+def test_half_precision_values_keep_their_dtype(rng):
+    x = jnp.asarray(rng.normal(size=1000), jnp.bfloat16)
+    p = sidco.sparsify(x, 1.5, capacity=300)
+    assert p.values.dtype == jnp.bfloat16 and p.indices.dtype == jnp.int32
+    np.testing.assert_array_equal(sidco.densify(p, 1000), jnp.where(jnp.abs(x) > 1.5, x, 0))
+
+
+def test_no_retrace_when_the_threshold_changes(rng):
+    x = jnp.asarray(rng.normal(size=5000).astype(np.float32))
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def f(x, eta):
+        return sidco.sparsify(x, eta, 100)
+
+    counts = [int(f(x, jnp.float32(t)).selected) for t in (0.5, 1.0, 2.0)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[2]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"2\*\*31 - 1"):
+        jax.eval_shape(lambda x: sidco.sparsify(x, 1.0, 10), jax.ShapeDtypeStruct((2**31,), jnp.float32))
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        sidco.sparsify(jnp.ones(4), 1.0, 0)
+    with pytest.raises(TypeError, match="floating-point"):
+        sidco.sparsify(jnp.ones(4, jnp.int32), 1.0, 2)
+    with pytest.raises(ValueError, match="capacity factor must be >= 1"):
+        sidco.capacity(100, 0.1, factor=0.5)
+    with pytest.raises(ValueError, match="ratio must be in"):
+        sidco.capacity(100, 0.0)
+    assert sidco.capacity(100, 1.0, factor=3.0) == 100 and sidco.capacity(10, 1e-6) == 1

@@ -1,0 +1,131 @@
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import sidco_jax as sidco
+
+
+def achieved(x, eta, ratio):
+    return float(np.mean(np.abs(np.asarray(x)) > float(eta))) / ratio
+
+
+def test_single_stage_thresholds_match_scipy_quantiles(rng):
+    a = np.abs(rng.laplace(scale=0.01, size=100_000)).astype(np.float32)
+    a64 = a.astype(np.float64)
+    ratio = 0.01
+    # Exponential: MLE scale, then the upper quantile.
+    want = stats.expon.isf(ratio, scale=a64.mean())
+    got = sidco.threshold(a, ratio, estimator="exponential")
+    assert float(got) == pytest.approx(want, rel=1e-4)
+    # Generalized Pareto: method of moments with the unbiased variance.
+    r = a64.mean() ** 2 / a64.var(ddof=1)
+    want = stats.genpareto.isf(ratio, (1 - r) / 2, scale=a64.mean() * (1 + r) / 2)
+    assert float(sidco.threshold(a, ratio, estimator="gpareto")) == pytest.approx(want, rel=1e-3)
+    # Gamma: closed-form approximate MLE, then the quantile through gammaincinv.
+    s = np.log(a64.mean()) - np.log(a64).mean()
+    k = (3 - s + np.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
+    want = stats.gamma.ppf(1 - ratio, k, scale=a64.mean() / k)
+    assert float(sidco.threshold(a, ratio, estimator="gamma")) == pytest.approx(want, rel=1e-3)
+
+
+def test_two_stage_exponential_matches_numpy_oracle(rng):
+    a = np.abs(rng.standard_t(3, size=200_000)).astype(np.float64)
+    ratio, first = 0.001, 0.25
+    eta1 = a.mean() * math.log(1 / first)
+    excess = a[a > eta1] - eta1
+    eta2 = eta1 + excess.mean() * math.log(excess.size / (a.size * ratio))
+    got = sidco.threshold(a.astype(np.float32), ratio, stages=2, first_ratio=first)
+    assert float(got) == pytest.approx(eta2, rel=1e-4)
+
+
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
+def test_laplace_density_within_ten_percent(rng, estimator, ratio):
+    x = rng.laplace(size=2**18).astype(np.float32)
+    for stages in (1, sidco.max_stages(ratio)):
+        eta = sidco.threshold(x, ratio, estimator=estimator, stages=stages)
+        assert achieved(x, eta, ratio) == pytest.approx(1.0, abs=0.1), stages
+
+
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+@pytest.mark.parametrize("law", ["student_t3", "normal", "gamma0.3"])
+def test_multi_stage_fixes_what_one_stage_misses(samples, estimator, law):
+    x = samples[law].astype(np.float32)
+    ratio = 0.001
+    single = achieved(x, sidco.threshold(x, ratio, estimator=estimator), ratio)
+    multi = achieved(x, sidco.threshold(x, ratio, estimator=estimator, stages=3), ratio)
+    assert multi == pytest.approx(1.0, abs=0.3)
+    assert abs(math.log(single)) > abs(math.log(multi)) if single > 0 else True
+
+
+def test_stage_count_is_traced_without_retracing(rng):
+    x = jnp.asarray(rng.standard_t(3, size=10_000).astype(np.float32))
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def eta(x, stages):
+        return sidco.threshold(x, 0.01, estimator="gpareto", stages=stages)
+
+    values = [float(eta(x, jnp.int32(m))) for m in (1, 2, 3, 4)]
+    assert len(set(values)) == 4  # every stage count changes the threshold
+    for m, v in zip((1, 2, 3, 4), values, strict=True):
+        assert v == pytest.approx(float(sidco.threshold(x, 0.01, estimator="gpareto", stages=m)))
+
+
+def test_traced_ratio(rng):
+    x = jnp.asarray(rng.laplace(size=50_000).astype(np.float32))
+    f = jax.jit(lambda x, r: sidco.threshold(x, r, stages=2))
+    for ratio in (0.05, 0.005):
+        assert achieved(x, f(x, ratio), ratio) == pytest.approx(1.0, abs=0.1)
+
+
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+@pytest.mark.parametrize("stages", [1, 4])
+def test_degenerate_inputs_never_give_nan(estimator, stages):
+    cases = {
+        "zeros": (jnp.zeros(1000), 0.0),
+        "constant": (jnp.full(1000, 2.0), None),
+        "one_spike": (jnp.zeros(1000).at[3].set(5.0), None),
+        "two_values": (jnp.concatenate([jnp.ones(998), jnp.array([9.0, -9.0])]), None),
+        "tiny": (jnp.full(1000, 1e-30).at[0].set(1e-28), None),
+        "huge": (jnp.full(1000, 1e30).at[0].set(3e30), None),
+        "nan": (jnp.ones(1000).at[5].set(jnp.nan), np.inf),
+        "inf": (jnp.ones(1000).at[5].set(-jnp.inf), np.inf),
+        "single": (jnp.array([3.0]), None),
+    }
+    for name, (x, expected) in cases.items():
+        eta = float(sidco.threshold(x, 0.01, estimator=estimator, stages=stages))
+        assert not math.isnan(eta) and eta >= 0, name
+        if expected is not None:
+            assert eta == expected, name
+        if name == "zeros":
+            assert not np.any(np.abs(np.asarray(x)) > eta)
+
+
+def test_half_precision_inputs(rng):
+    x = rng.laplace(size=50_000).astype(np.float32)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        eta = sidco.threshold(jnp.asarray(x, dtype), 0.01, stages=2)
+        assert eta.dtype == jnp.float32
+        assert achieved(x, eta, 0.01) == pytest.approx(1.0, abs=0.1)
+
+
+def test_bad_arguments():
+    x = jnp.ones(10)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        sidco.threshold(x, 0.1, estimator="weibull")
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="ratio must be in"):
+            sidco.threshold(x, bad)
+    with pytest.raises(ValueError, match="first_ratio"):
+        sidco.threshold(x, 0.1, first_ratio=2.0)
+
+
+def test_max_stages():
+    assert sidco.max_stages(0.001) == 10 and sidco.max_stages(0.01) == 7
+    assert sidco.max_stages(0.5) == 1
