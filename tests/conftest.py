@@ -7,9 +7,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)

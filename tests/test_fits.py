@@ -62,8 +62,14 @@ def test_tail_quantiles_match_scipy(q):
 def test_degenerate_samples_give_finite_parameters():
     empty = jnp.zeros(4, bool)
     x = jnp.ones(4)
-    for fit in (sidco.fit_exponential(x, empty), sidco.fit_gamma(x, empty), sidco.fit_gpareto(x, empty),
-                sidco.fit_gamma(x), sidco.fit_gpareto(x), sidco.fit_gamma(jnp.zeros(4))):
+    for fit in (
+        sidco.fit_exponential(x, empty),
+        sidco.fit_gamma(x, empty),
+        sidco.fit_gpareto(x, empty),
+        sidco.fit_gamma(x),
+        sidco.fit_gpareto(x),
+        sidco.fit_gamma(jnp.zeros(4)),
+    ):
         assert all(np.isfinite(np.asarray(p)) for p in fit), fit
     constant = sidco.fit_gpareto(x)  # zero variance: exponential limit
     assert float(constant.shape) == 0.0 and float(constant.scale) == 1.0

@@ -18,8 +18,10 @@ def test_gammaincinv_matches_scipy_float32():
 
 
 def test_gammainccinv_finite_and_close_over_a_wide_range():
-    a, q = (m.astype(np.float32) for m in np.meshgrid(np.geomspace(1e-3, 1e4, 30),
-                                                      np.geomspace(1e-30, 0.999, 30)))
+    a, q = (
+        m.astype(np.float32)
+        for m in np.meshgrid(np.geomspace(1e-3, 1e4, 30), np.geomspace(1e-30, 0.999, 30))
+    )
     got = np.asarray(jax.jit(sidco.gammainccinv)(a, q))
     want = special.gammainccinv(a.astype(np.float64), q.astype(np.float64))
     assert np.isfinite(got).all()

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from sidco_jax._src.special import gammainccinv
 
@@ -58,12 +59,12 @@ def _safe_div(num, den):
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0.0)
 
 
-def exponential_from_sums(count, total) -> ExponentialFit:
+def exponential_from_sums(count: ArrayLike, total: ArrayLike) -> ExponentialFit:
     """Maximum-likelihood exponential fit from ``count`` values summing to ``total``."""
     return ExponentialFit(scale=_safe_div(jnp.asarray(total, jnp.float32), count))
 
 
-def gamma_from_sums(count, total, log_total) -> GammaFit:
+def gamma_from_sums(count: ArrayLike, total: ArrayLike, log_total: ArrayLike) -> GammaFit:
     """Approximate maximum-likelihood gamma fit (Minka's closed form).
 
     Args:
@@ -79,7 +80,7 @@ def gamma_from_sums(count, total, log_total) -> GammaFit:
     return GammaFit(shape=shape, scale=mean / shape)
 
 
-def gpareto_from_sums(count, total, square_total) -> GParetoFit:
+def gpareto_from_sums(count: ArrayLike, total: ArrayLike, square_total: ArrayLike) -> GParetoFit:
     """Method-of-moments generalized Pareto fit (unbiased variance).
 
     ``r = m^2 / v``, ``xi = (1 - r) / 2``, ``sigma = m (1 + r) / 2``. Zero or

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from sidco_jax._src import passes
 
@@ -161,7 +162,7 @@ def sparsify(
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
 
-def densify(payload: Payload, size: int, dtype=None) -> jax.Array:
+def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.Array:
     """Scatter-adds one or many payloads into a dense vector of ``size`` entries.
 
     Args:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from sidco_jax._src import fits, passes
 
@@ -116,10 +117,10 @@ def _next_stage(x, eta, scale, q_total, estimator):
 
 def threshold(
     x: jax.Array,
-    ratio,
+    ratio: ArrayLike,
     *,
     estimator: str = "exponential",
-    stages=1,
+    stages: ArrayLike = 1,
     first_ratio: float = 0.25,
 ) -> jax.Array:
     """The magnitude threshold that about ``ratio`` of the entries of ``x`` exceed.
