@@ -17,20 +17,26 @@ from sidco_jax._src.fits import (
     gpareto_from_sums,
     gpareto_isf,
 )
+from sidco_jax._src.metrics import metrics
 from sidco_jax._src.payload import MAX_SIZE, Payload, capacity, densify, sparsify
 from sidco_jax._src.special import gammainccinv, gammaincinv
 from sidco_jax._src.thresholds import ESTIMATORS, max_stages, threshold
+from sidco_jax._src.transform import GRANULARITIES, CompressMetrics, CompressState, compress
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ESTIMATORS",
+    "GRANULARITIES",
     "MAX_SIZE",
+    "CompressMetrics",
+    "CompressState",
     "ExponentialFit",
     "GParetoFit",
     "GammaFit",
     "Payload",
     "capacity",
+    "compress",
     "densify",
     "exponential_from_sums",
     "exponential_isf",
@@ -44,6 +50,7 @@ __all__ = [
     "gpareto_from_sums",
     "gpareto_isf",
     "max_stages",
+    "metrics",
     "sparsify",
     "threshold",
 ]

@@ -128,4 +128,4 @@ def test_bad_arguments():
 
 def test_max_stages():
     assert sidco.max_stages(0.001) == 10 and sidco.max_stages(0.01) == 7
-    assert sidco.max_stages(0.5) == 1
+    assert sidco.max_stages(0.5) == 1 and sidco.max_stages(1.0) == 1

@@ -47,11 +47,14 @@ def check_estimator(estimator: str) -> None:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
 
 
-def max_stages(ratio: float, first_ratio: float = 0.25) -> int:
-    """The paper's stage-count ceiling ``ceil(log2(1 / ratio))`` (1 if ``ratio >= first_ratio``)."""
+def max_stages(ratio: float) -> int:
+    """The paper's stage-count ceiling ``ceil(log2(1 / ratio))``, at least 1.
+
+    Examples:
+      >>> max_stages(0.001), max_stages(0.01), max_stages(0.6)
+      (10, 7, 1)
+    """
     check_ratio(ratio)
-    if ratio >= first_ratio:
-        return 1
     return max(1, math.ceil(math.log2(1.0 / ratio)))
 
 

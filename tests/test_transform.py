@@ -1,0 +1,169 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sidco_jax as sidco
+
+
+def tree(rng):
+    return {
+        "dense": {
+            "w": rng.standard_t(3, size=(64, 48)).astype(np.float32),
+            "b": np.zeros(48, np.float32),
+        },
+        "half": jnp.asarray(rng.normal(size=300), jnp.bfloat16),
+        "step": np.int32(7),
+    }
+
+
+def float_leaves(t):
+    return [
+        np.asarray(x, np.float32).ravel()
+        for x in jax.tree.leaves(t)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+    ]
+
+
+@pytest.mark.parametrize("granularity", sidco.GRANULARITIES)
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+def test_error_feedback_keeps_everything(rng, granularity, estimator):
+    tx = sidco.compress(0.05, estimator=estimator, granularity=granularity, capacity_factor=1.0)
+    params = tree(rng)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(12):
+        grads = tree(rng)
+        old = [np.asarray(r).ravel() for r in state.residual]
+        sent, state = update(grads, state)
+        assert sent["step"] == grads["step"]  # integer leaves pass through
+        assert sent["half"].dtype == jnp.bfloat16
+        for s, r_new, g, r_old in zip(
+            float_leaves(sent), state.residual, float_leaves(grads), old, strict=True
+        ):
+            np.testing.assert_array_equal(s + np.asarray(r_new).ravel(), g + r_old)
+        m = sidco.metrics(state)
+        assert 0 < float(m["density"]) <= 0.05 * 1.0 + 1e-3
+
+
+def test_metrics_match_a_numpy_oracle(rng):
+    ratio, factor = 0.02, 1.5
+    tx = sidco.compress(ratio, estimator="gpareto", stages=2, capacity_factor=factor)
+    g = rng.standard_t(3, size=5000).astype(np.float32)
+    r0 = rng.normal(scale=0.1, size=5000).astype(np.float32)
+    state = tx.init(g)._replace(residual=(jnp.asarray(r0),))
+    sent, state = jax.jit(tx.update)(g, state)
+    m = sidco.metrics(state)
+    u = g + r0
+    eta = float(m["threshold"])
+    assert eta == pytest.approx(float(sidco.threshold(u, ratio, estimator="gpareto", stages=2)))
+    above = np.flatnonzero(np.abs(u) > eta)
+    cap = math.ceil(factor * ratio * u.size)
+    kept = above[:cap]
+    want = np.zeros_like(u)
+    want[kept] = u[kept]
+    np.testing.assert_array_equal(sent, want)
+    assert float(m["density"]) == pytest.approx(kept.size / u.size)
+    assert float(m["selected_density"]) == pytest.approx(above.size / u.size)
+    assert int(m["overflow"]) == above.size - kept.size
+    assert int(m["bytes"]) == cap * 8
+    assert float(m["target_density"]) == pytest.approx(ratio)
+    assert int(m["stages"]) == 2 and int(m["step"]) == 1 and not bool(m["nonfinite"])
+
+
+def test_nonfinite_gradient_never_poisons_the_residual(rng):
+    tx = sidco.compress(0.1)
+    g = rng.normal(size=1000).astype(np.float32)
+    state = tx.init(g)
+    _, state = tx.update(g, state)
+    before = np.asarray(state.residual[0])
+    for bad in (np.nan, np.inf):
+        sent, state = tx.update(np.where(np.arange(1000) == 3, bad, g), state)
+        assert not np.any(np.asarray(sent)) and bool(sidco.metrics(state)["nonfinite"])
+        np.testing.assert_array_equal(state.residual[0], before)
+    sent, state = tx.update(g, state)
+    assert np.isfinite(np.asarray(state.residual[0])).all() and np.any(np.asarray(sent))
+    assert not bool(sidco.metrics(state)["nonfinite"])
+
+
+def test_zero_gradients_give_zero_updates():
+    tx = sidco.compress(0.01, estimator="gamma")
+    params = {"a": jnp.zeros(1000), "b": jnp.zeros((3, 3))}
+    sent, state = tx.update(params, tx.init(params))
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(sent))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ratio": 0.0}, "ratio must be in"),
+        ({"ratio": 1.5}, "ratio must be in"),
+        ({"ratio": float("nan")}, "ratio must be in"),
+        ({"ratio": 0.01, "estimator": "weibull"}, "estimator must be one of"),
+        ({"ratio": 0.001, "stages": 0}, r"stages must be an integer in \[1, 10\]"),
+        ({"ratio": 0.001, "stages": 11}, r"stages must be an integer in \[1, 10\]"),
+        ({"ratio": 0.01, "capacity_factor": 0.5}, "capacity_factor must be >= 1, got 0.5"),
+        ({"ratio": 0.01, "granularity": "layer"}, "granularity must be one of"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sidco.compress(**kwargs)
+
+
+def test_metrics_found_through_optax_wrappers(rng):
+    params = rng.normal(size=400).astype(np.float32)
+    wrapped = {
+        "chain": optax.chain(sidco.compress(0.05), optax.sgd(0.1)),
+        "named_chain": optax.named_chain(("sidco", sidco.compress(0.05)), ("sgd", optax.sgd(0.1))),
+        "inject": optax.inject_hyperparams(
+            sidco.compress, static_args=("ratio", "capacity_factor")
+        )(0.05, stages=2),
+        "multi_steps": optax.MultiSteps(optax.chain(sidco.compress(0.05), optax.sgd(0.1)), 2),
+        "apply_if_finite": optax.apply_if_finite(
+            optax.chain(sidco.compress(0.05), optax.sgd(0.1)), 3
+        ),
+    }
+    for name, tx in wrapped.items():
+        state = tx.init(params)
+        for _ in range(2):
+            _, state = jax.jit(tx.update)(params, state, params)
+        m = sidco.metrics(state)
+        assert float(m["density"]) == pytest.approx(0.05, abs=0.02), name
+    forgot = optax.inject_hyperparams(sidco.compress)(0.05)
+    with pytest.raises(ValueError, match="ratio sets the payload shape"):
+        jax.jit(forgot.update)(params, forgot.init(params))
+    with pytest.raises(ValueError, match="no sidco_jax compressor state"):
+        sidco.metrics(optax.sgd(0.1).init(params))
+
+
+def test_least_squares_converges_like_dense(rng):
+    a = rng.normal(size=(256, 512)).astype(np.float32) / 16
+    x_true = rng.normal(size=512).astype(np.float32)
+    b = a @ x_true
+
+    def loss(x):
+        return 0.5 * jnp.mean((a @ x - b) ** 2) * 256
+
+    def train(tx, steps=1500):
+        x = jnp.zeros(512)
+        state = tx.init(x)
+
+        @jax.jit
+        def step(x, state):
+            g = jax.grad(loss)(x)
+            u, state = tx.update(g, state, x)
+            return optax.apply_updates(x, u), state
+
+        for _ in range(steps):
+            x, state = step(x, state)
+        return float(loss(x))
+
+    start = float(loss(jnp.zeros(512)))
+    dense = train(optax.sgd(0.2))
+    sparse = train(optax.chain(sidco.compress(0.05), optax.sgd(0.2)))
+    assert dense < 0.01 * start and sparse < 0.05 * start, (start, dense, sparse)
