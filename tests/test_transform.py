@@ -167,3 +167,16 @@ def test_least_squares_converges_like_dense(rng):
     dense = train(optax.sgd(0.2))
     sparse = train(optax.chain(sidco.compress(0.05), optax.sgd(0.2)))
     assert dense < 0.01 * start and sparse < 0.05 * start, (start, dense, sparse)
+
+
+@pytest.mark.parametrize("granularity", sidco.GRANULARITIES)
+def test_trees_without_float_leaves_pass_through(granularity):
+    tx = sidco.compress(0.1, granularity=granularity)
+    params = {"n": jnp.arange(4), "flag": jnp.array(True)}
+    state = tx.init(params)
+    out, new_state = jax.jit(tx.update)(params, state)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params), strict=True)
+    )

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from sidco_jax._src import passes
+from sidco_jax._src import passes, thresholds
 
 MAX_SIZE = 2**31 - 1  # int32 indices, with ``size`` itself as the padding index
 _MIN_BLOCK, _MAX_BLOCK = 4, 32  # wider rows make the counting pass 7x slower on CPU
@@ -66,8 +66,7 @@ def capacity(size: int, ratio: float, factor: float = 1.0) -> int:
       >>> capacity(1_000_000, 0.001, factor=1.5)
       1500
     """
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+    thresholds.check_ratio(ratio)
     if not factor >= 1.0:
         raise ValueError(f"capacity factor must be >= 1, got {factor!r}")
     return int(min(max(math.ceil(factor * ratio * size), 1), max(size, 1)))

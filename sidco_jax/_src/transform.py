@@ -156,13 +156,12 @@ def compress(
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if _is_float(leaf)]
         residual = tuple(jnp.zeros(jnp.shape(p), jnp.float32) for p in floats)
-        n_thresholds = 1 if granularity == "model" else len(floats)
         zero = jnp.zeros((), jnp.float32)
         last = CompressMetrics(
             target_density=jnp.asarray(ratio, jnp.float32),
             density=zero,
             selected_density=zero,
-            threshold=jnp.zeros((n_thresholds,) if granularity == "leaf" else (), jnp.float32),
+            threshold=jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32),
             overflow=jnp.zeros((), jnp.int32),
             bytes=jnp.zeros((), jnp.int32),
             nonfinite=jnp.zeros((), bool),
@@ -204,7 +203,7 @@ def compress(
         else:
             results = [sparsify_flat(x, state.stages) for x in u]
             splits = [r[0] for r in results]
-            etas = jnp.stack([r[1] for r in results]) if results else jnp.zeros((0,))
+            etas = jnp.stack([r[1] for r in results]) if results else state.last.threshold
             counts = sum((r[2].count for r in results), jnp.int32(0))
             selected = sum((r[2].selected for r in results), jnp.int32(0))
             caps = sum(r[3] for r in results)
