@@ -3,6 +3,8 @@
 The public API is flat; everything under ``sidco_jax._src`` is private.
 """
 
+from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
+from sidco_jax._src.control import RULES, StageControl
 from sidco_jax._src.fits import (
     ExponentialFit,
     GammaFit,
@@ -21,7 +23,14 @@ from sidco_jax._src.metrics import metrics
 from sidco_jax._src.payload import MAX_SIZE, Payload, capacity, densify, sparsify
 from sidco_jax._src.special import gammainccinv, gammaincinv
 from sidco_jax._src.thresholds import ESTIMATORS, max_stages, threshold
-from sidco_jax._src.transform import GRANULARITIES, CompressMetrics, CompressState, compress
+from sidco_jax._src.transform import (
+    GRANULARITIES,
+    CompressMetrics,
+    CompressState,
+    Selection,
+    compress,
+    sparsifier,
+)
 
 __version__ = "0.1.0"
 
@@ -29,15 +38,20 @@ __all__ = [
     "ESTIMATORS",
     "GRANULARITIES",
     "MAX_SIZE",
+    "RULES",
     "CompressMetrics",
     "CompressState",
     "ExponentialFit",
     "GParetoFit",
     "GammaFit",
     "Payload",
+    "Selection",
+    "StageControl",
     "capacity",
     "compress",
+    "dense",
     "densify",
+    "dgc",
     "exponential_from_sums",
     "exponential_isf",
     "fit_exponential",
@@ -47,10 +61,15 @@ __all__ = [
     "gamma_isf",
     "gammainccinv",
     "gammaincinv",
+    "gaussiank",
     "gpareto_from_sums",
     "gpareto_isf",
     "max_stages",
     "metrics",
+    "randomk",
+    "redsync",
+    "sparsifier",
     "sparsify",
     "threshold",
+    "topk",
 ]

@@ -24,10 +24,14 @@ Term = Callable[..., jax.Array]
 COUNT_BLOCK = 32
 
 
-def sums(
-    x: jax.Array, terms: Sequence[Term], scalars: Sequence[jax.Array] = (), after=None
+def reduce_each(
+    x: jax.Array,
+    terms: Sequence[Term],
+    scalars: Sequence[jax.Array] = (),
+    after=None,
+    op: Callable[..., jax.Array] = jnp.sum,
 ) -> list[jax.Array]:
-    """Returns ``[sum(term(x, zero, *scalars)) for term in terms]``, one pass each.
+    """Returns ``[op(term(x, zero, *scalars)) for term in terms]``, one pass each.
 
     Args:
       x: the array to reduce (any shape; reduced over all entries).
@@ -35,6 +39,7 @@ def sums(
         float32 scalar 0 to use instead of literal constants (see module doc).
       scalars: scalar operands of the terms.
       after: optional array the first pass is ordered after.
+      op: the reduction, ``jnp.sum`` (default) or ``jnp.max``.
 
     Returns:
       One float32 scalar per term.
@@ -45,7 +50,7 @@ def sums(
         xb, sb, zero, _ = lax.optimization_barrier(
             (x, tuple(scalars), jnp.zeros((), jnp.float32), token)
         )
-        token = jnp.sum(term(xb, zero, *sb), dtype=jnp.float32)
+        token = op(term(xb, zero, *sb).astype(jnp.float32))
         out.append(token)
     return out
 

@@ -72,7 +72,9 @@ def _first_exponential(x, mean, inv_scale, q, after):
 
 
 def _first_gpareto(x, mean, inv_scale, q, after):
-    (squares,) = passes.sums(x, [lambda v, z, s: _magnitude(v, z, s) ** 2], [inv_scale], after)
+    (squares,) = passes.reduce_each(
+        x, [lambda v, z, s: _magnitude(v, z, s) ** 2], [inv_scale], after
+    )
     n = x.shape[0]
     return fits.gpareto_isf(fits.gpareto_from_sums(n, n * mean, squares), q)
 
@@ -85,7 +87,7 @@ def _first_gamma(x, mean, inv_scale, q, after):
     # subtracted again (cheaper than masking them inside the pass).
     tiny = jnp.finfo(jnp.float32).tiny
     log_term = lambda v, zero, s: jnp.log(jnp.maximum(_magnitude(v, zero, s), zero + tiny))  # noqa: E731
-    (logs,) = passes.sums(x, [log_term], [inv_scale], nonzero.astype(jnp.float32))
+    (logs,) = passes.reduce_each(x, [log_term], [inv_scale], nonzero.astype(jnp.float32))
     logs = logs - (n - nonzero).astype(jnp.float32) * jnp.log(tiny)
     fit = fits.gamma_from_sums(nonzero, n * mean, logs)
     q_nonzero = q * n / jnp.maximum(nonzero, 1).astype(jnp.float32)
@@ -107,7 +109,7 @@ def _next_stage(x, eta, scale, q_total, estimator):
     terms = [_excess]
     if estimator != "exponential":
         terms.append(lambda v, z, s, e: _excess(v, z, s, e) ** 2)
-    sums = passes.sums(x, terms, [inv, eta], count.astype(jnp.float32))
+    sums = passes.reduce_each(x, terms, [inv, eta], count.astype(jnp.float32))
     if estimator == "exponential":
         fit, isf = fits.exponential_from_sums(count, sums[0]), fits.exponential_isf
     else:
@@ -163,7 +165,7 @@ def threshold(
     if n == 0:
         return jnp.zeros((), jnp.float32)
     ratio = jnp.asarray(ratio, jnp.float32)
-    (total,) = passes.sums(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
+    (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
     mean = total / n
     # A power of two near the mean magnitude: rescaling by it is exact, keeps
     # every statistic near 1 in float32 and keeps differences out of denormals.

@@ -1,35 +1,55 @@
-"""``compress``: SIDCo sparsification with error feedback as an optax transformation.
+"""Sparsifying optax transformations with error feedback, and SIDCo's ``compress``.
 
 One step on one device, for the floating-point leaves of the gradient tree::
 
     u        = g + residual              # error feedback, float32
-    eta      = threshold(u, ratio)       # whole model (default) or per leaf
-    payload  = sparsify(u, eta, capacity)
+    payload  = select(u)                 # whole model (default) or per leaf
     update   = densify(payload)          # what this device sends
     residual = u - update                # everything not sent, exactly
 
+:func:`sparsifier` builds that loop around any selection rule; SIDCo's
+:func:`compress` and the baselines in ``baselines.py`` differ only in the rule.
 Integer and boolean leaves pass through untouched. A step whose gradient (or
 residual) holds a non-finite value sends nothing, keeps the old residual and
 raises the ``nonfinite`` flag of the metrics, so one bad batch cannot poison
-the residual.
-
-Aggregation across devices (``axis_name``) and the adaptive stage controller
-are not part of this module yet: the update is the locally sparsified
-gradient, with a fixed stage count.
+the residual. Aggregation across devices is not part of this module yet: the
+update is the locally sparsified gradient.
 """
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sidco_jax._src import control as control_lib
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src import thresholds
 
 GRANULARITIES = ("model", "leaf")
-_SLOT_BYTES = 4 + 4  # a float32 value and an int32 index
+SLOT_BYTES = 4 + 4  # a float32 value and an int32 index
+
+
+class Selection(NamedTuple):
+    """What a selection rule returns for one flat float32 vector.
+
+    Attributes:
+      payload: the entries to send.
+      threshold: the magnitude threshold used (0 where the rule has none).
+      finite: whether the vector was finite (nothing is sent otherwise).
+      bytes: static size of the message in bytes.
+    """
+
+    payload: payload_lib.Payload
+    threshold: jax.Array
+    finite: jax.Array
+    bytes: int
+
+
+# select(u, stages, key) -> Selection, for a flat float32 vector u.
+Select = Callable[[jax.Array, jax.Array, jax.Array], Selection]
 
 
 class CompressMetrics(NamedTuple):
@@ -43,7 +63,7 @@ class CompressMetrics(NamedTuple):
       threshold: magnitude threshold (one per leaf with ``granularity="leaf"``).
       overflow: entries above the threshold that did not fit and stayed in the
         residual.
-      bytes: payload bytes (values + int32 indices) of a fixed-capacity message.
+      bytes: bytes of one message (fixed-capacity values + int32 indices).
       nonfinite: whether the step met a non-finite value and sent nothing.
     """
 
@@ -57,27 +77,31 @@ class CompressMetrics(NamedTuple):
 
 
 class CompressState(NamedTuple):
-    """State of :func:`compress`.
+    """State of :func:`compress` and of the baselines.
 
     Attributes:
       residual: float32 error-feedback residual of each floating-point leaf, in
         ``jax.tree.leaves`` order (empty without error feedback).
-      stages: int32 stage count used by the thresholds.
+      stages: int32 stage count of SIDCo's thresholds (0 for the baselines).
+      control: the stage controller's state (empty without adaptation).
       count: int32 number of steps taken.
       last: :class:`CompressMetrics` of the last step.
     """
 
     residual: tuple[jax.Array, ...]
     stages: jax.Array
+    control: Any
     count: jax.Array
     last: CompressMetrics
 
 
-def _is_float(leaf) -> bool:
+def is_float(leaf) -> bool:
+    """Whether a gradient leaf takes part in compression (floating-point dtype)."""
     return jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
 
 
-def _static(name: str, value):
+def static(name: str, value):
+    """Returns ``value``, or raises a clear error if a shape-setting option is traced."""
     if isinstance(value, jax.core.Tracer):
         raise ValueError(
             f"{name} sets the payload shape and must be static; with optax.inject_hyperparams "
@@ -86,23 +110,146 @@ def _static(name: str, value):
     return value
 
 
-def _check(ratio, estimator, stages, first_ratio, capacity_factor, granularity) -> None:
-    thresholds.check_ratio(_static("ratio", ratio))
-    thresholds.check_estimator(estimator)
-    thresholds.check_ratio(first_ratio, "first_ratio")
-    limit = thresholds.max_stages(ratio)
-    # A traced stage count (optax.inject_hyperparams) is clipped in the graph.
-    value = None if isinstance(stages, jax.core.Tracer) else np.asarray(stages)
-    if value is not None and not (
-        value.shape == () and np.issubdtype(value.dtype, np.integer) and 1 <= value <= limit
+def _concrete(value):
+    """``value`` as a NumPy array, or None if traced (``optax.inject_hyperparams``)."""
+    return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
+
+
+def _check_integer(name, value, low, high, context=""):
+    v = _concrete(value)
+    if v is not None and not (
+        v.shape == ()
+        and np.issubdtype(v.dtype, np.integer)
+        and low <= v
+        and (high is None or v <= high)
     ):
-        raise ValueError(
-            f"stages must be an integer in [1, {limit}] for ratio {ratio}, got {stages!r}"
-        )
-    if not _static("capacity_factor", capacity_factor) >= 1.0:
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {allowed}{context}, got {value!r}")
+
+
+def check_common(ratio, capacity_factor, granularity) -> None:
+    """Validates the options every sparsifier shares (raises ``ValueError``)."""
+    thresholds.check_ratio(static("ratio", ratio))
+    if not static("capacity_factor", capacity_factor) >= 1.0:
         raise ValueError(f"capacity_factor must be >= 1, got {capacity_factor!r}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
+def _metrics(ratio, sent, selected, n, eta, message, finite) -> CompressMetrics:
+    n = max(n, 1)
+    return CompressMetrics(
+        target_density=jnp.asarray(ratio, jnp.float32),
+        density=jnp.where(finite, sent, 0).astype(jnp.float32) / n,
+        selected_density=jnp.asarray(selected, jnp.float32) / n,
+        threshold=jnp.asarray(eta, jnp.float32),
+        overflow=jnp.where(finite, selected - sent, 0).astype(jnp.int32),
+        bytes=jnp.asarray(message, jnp.int32),
+        nonfinite=~finite,
+    )
+
+
+def sparsifier(
+    select: Select,
+    *,
+    ratio: float,
+    granularity: str = "model",
+    error_feedback: bool = True,
+    stages: int = 0,
+    adapt: Callable | None = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Error feedback around a selection rule, as an optax transformation.
+
+    Args:
+      select: ``select(u, stages, key) -> Selection`` for a flat float32 vector.
+      ratio: target density (reported in the metrics).
+      granularity: ``"model"`` (one selection over all floating-point leaves)
+        or ``"leaf"`` (one per leaf).
+      error_feedback: keep what was not sent and add it to the next gradient.
+      stages: initial stage count handed to ``select``.
+      adapt: optional ``adapt(stages, control, achieved_over_target) ->
+        (stages, control)`` run after every step; its state starts as
+        ``control.init()``.
+      seed: seed of the rule's randomness; the key of step ``t`` is
+        ``fold_in(key(seed), t)``, the same on every device.
+
+    Returns:
+      The transformation.
+    """
+
+    def init(params):
+        floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
+        zero = jnp.zeros((), jnp.int32)
+        eta = jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32)
+        return CompressState(
+            residual=tuple(jnp.zeros(jnp.shape(p), jnp.float32) for p in floats)
+            if error_feedback
+            else (),
+            stages=jnp.asarray(stages, jnp.int32),
+            control=control_lib.init() if adapt is not None else (),
+            count=zero,
+            last=_metrics(ratio, zero, zero, 1, eta, 0, jnp.array(True)),
+        )
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        leaves, treedef = jax.tree.flatten(updates)
+        float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
+        grads = [jnp.asarray(leaves[i]) for i in float_at]
+        old = state.residual if error_feedback else tuple(jnp.zeros(()) for _ in grads)
+        u = [
+            g.astype(jnp.float32).reshape(-1) + r.reshape(-1)
+            for g, r in zip(grads, old, strict=True)
+        ]
+        sizes = [x.shape[0] for x in u]
+        key = jax.random.fold_in(jax.random.key(seed), state.count)
+
+        whole = granularity == "model" and len(u) > 0
+        vectors = [jnp.concatenate(u) if len(u) > 1 else u[0]] if whole else u
+        keys = jax.random.split(key, max(len(vectors), 1))
+        chosen = [select(x, state.stages, k) for x, k in zip(vectors, keys, strict=False)]
+        dense = [
+            payload_lib.densify(c.payload, x.shape[0]) for c, x in zip(chosen, vectors, strict=True)
+        ]
+        splits = jnp.split(dense[0], np.cumsum(sizes)[:-1].tolist()) if whole else dense
+        if whole:
+            etas = chosen[0].threshold
+        else:
+            etas = jnp.stack([c.threshold for c in chosen]) if chosen else state.last.threshold
+        finite = jnp.all(jnp.stack([c.finite for c in chosen])) if chosen else jnp.array(True)
+
+        # A non-finite step sends nothing and leaves the residual as it was. The
+        # update is rounded to the gradient's dtype and the rounding error stays
+        # in the residual, so nothing is lost with bf16/fp16 gradients either.
+        sent = [
+            jnp.where(finite, s, 0.0).astype(g.dtype).astype(jnp.float32)
+            for s, g in zip(splits, grads, strict=True)
+        ]
+        new_leaves = list(leaves)
+        for i, s, g in zip(float_at, sent, grads, strict=True):
+            new_leaves[i] = s.reshape(g.shape).astype(g.dtype)
+        residual = (
+            tuple(
+                jnp.where(finite, x - s, r.reshape(-1)).reshape(r.shape)
+                for x, s, r in zip(u, sent, old, strict=True)
+            )
+            if error_feedback
+            else ()
+        )
+
+        count = sum((c.payload.count for c in chosen), jnp.int32(0))
+        selected = sum((c.payload.selected for c in chosen), jnp.int32(0))
+        message = sum(c.bytes for c in chosen)
+        last = _metrics(ratio, count, selected, sum(sizes), etas, message, finite)
+        stages_, control = state.stages, state.control
+        if adapt is not None:
+            achieved = last.density / last.target_density
+            stages_, control = adapt(stages_, control, jnp.where(finite, achieved, 1.0))
+        new_state = CompressState(residual, stages_, control, state.count + 1, last)
+        return jax.tree.unflatten(treedef, new_leaves), new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def compress(
@@ -110,10 +257,13 @@ def compress(
     *,
     estimator: str = "exponential",
     stages: int | None = None,
+    adaptation: str | None = None,
     first_ratio: float = 0.25,
     capacity_factor: float = 1.0,
     granularity: str = "model",
     error_feedback: bool = True,
+    period: int = 5,
+    band: float = 0.2,
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
 
@@ -122,16 +272,19 @@ def compress(
         Static (it sets the payload capacity).
       estimator: ``"exponential"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or
         ``"gamma"`` (SIDCo-GP).
-      stages: number of threshold stages, in ``[1, max_stages(ratio)]``; by
-        default ``min(3, max_stages(ratio))``, which kept synthetic
-        heavy- and light-tailed gradients within 0.82-1.17x of the target
-        (docs/benchmarks.md).
+      stages: (initial) number of threshold stages, in
+        ``[1, max_stages(ratio)]``; by default ``min(3, max_stages(ratio))``.
+      adaptation: how the stage count follows the achieved density:
+        ``None`` (fixed), ``"paper"`` or ``"directional"`` (see
+        docs/optax.md).
       first_ratio: density targeted by the first of several stages.
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
       granularity: ``"model"`` (one threshold over all floating-point leaves,
         as in the paper) or ``"leaf"`` (one threshold and payload per leaf).
       error_feedback: keep what was not sent and add it to the next gradient.
+      period: steps per adaptation window (the paper's ``Q``).
+      band: tolerance of the adaptation around the target (the paper's 0.2).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the
@@ -149,95 +302,51 @@ def compress(
       >>> int(jnp.count_nonzero(updates["w"]))
       2
     """
+    check_common(ratio, capacity_factor, granularity)
+    thresholds.check_estimator(estimator)
+    thresholds.check_ratio(first_ratio, "first_ratio")
+    limit = thresholds.max_stages(ratio)
     if stages is None:
-        stages = min(3, thresholds.max_stages(_static("ratio", ratio)))
-    _check(ratio, estimator, stages, first_ratio, capacity_factor, granularity)
-
-    def init(params):
-        floats = [leaf for leaf in jax.tree.leaves(params) if _is_float(leaf)]
-        residual = tuple(jnp.zeros(jnp.shape(p), jnp.float32) for p in floats)
-        zero = jnp.zeros((), jnp.float32)
-        last = CompressMetrics(
-            target_density=jnp.asarray(ratio, jnp.float32),
-            density=zero,
-            selected_density=zero,
-            threshold=jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32),
-            overflow=jnp.zeros((), jnp.int32),
-            bytes=jnp.zeros((), jnp.int32),
-            nonfinite=jnp.zeros((), bool),
+        stages = min(3, limit)
+    _check_integer("stages", stages, 1, limit, f" for ratio {ratio}")
+    if adaptation is not None and adaptation not in control_lib.RULES:
+        raise ValueError(
+            f"adaptation must be None or one of {control_lib.RULES}, got {adaptation!r}"
         )
-        return CompressState(
-            residual=residual if error_feedback else (),
-            stages=jnp.asarray(stages, jnp.int32),
-            count=jnp.zeros((), jnp.int32),
-            last=last,
-        )
+    _check_integer("period", period, 1, None)
+    band_value = _concrete(band)
+    if band_value is not None and not 0.0 < band_value < 1.0:
+        raise ValueError(f"band must be in (0, 1), got {band!r}")
 
-    def sparsify_flat(u, stage_count):
-        cap = payload_lib.capacity(u.shape[0], ratio, capacity_factor)
+    def select(u, stage_count, key):
+        del key
         eta = thresholds.threshold(
             u, ratio, estimator=estimator, stages=stage_count, first_ratio=first_ratio
         )
-        packed = payload_lib.sparsify(u, eta, cap)
-        return payload_lib.densify(packed, u.shape[0]), eta, packed, cap
-
-    def update(updates, state, params=None, **extra_args):
-        del params, extra_args
-        leaves, treedef = jax.tree.flatten(updates)
-        float_at = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
-        grads = [jnp.asarray(leaves[i]) for i in float_at]
-        old = state.residual if error_feedback else tuple(jnp.zeros(()) for _ in grads)
-        u = [
-            g.astype(jnp.float32).reshape(-1) + r.reshape(-1)
-            for g, r in zip(grads, old, strict=True)
-        ]
-        sizes = [x.shape[0] for x in u]
-        total = sum(sizes)
-
-        if granularity == "model" and u:
-            flat = jnp.concatenate(u) if len(u) > 1 else u[0]
-            sent_flat, eta, packed, cap = sparsify_flat(flat, state.stages)
-            splits = jnp.split(sent_flat, np.cumsum(sizes)[:-1].tolist())
-            etas, counts, selected, caps = eta, packed.count, packed.selected, cap
-            finite = jnp.isfinite(eta)
-        else:
-            results = [sparsify_flat(x, state.stages) for x in u]
-            splits = [r[0] for r in results]
-            etas = jnp.stack([r[1] for r in results]) if results else state.last.threshold
-            counts = sum((r[2].count for r in results), jnp.int32(0))
-            selected = sum((r[2].selected for r in results), jnp.int32(0))
-            caps = sum(r[3] for r in results)
-            finite = jnp.all(jnp.isfinite(etas))
-
-        # A non-finite step sends nothing and leaves the residual as it was. The
-        # update is rounded to the gradient's dtype; the rounding error stays in
-        # the residual, so nothing is lost with bf16/fp16 gradients either.
-        sent = [
-            jnp.where(finite, s, 0.0).astype(g.dtype).astype(jnp.float32)
-            for s, g in zip(splits, grads, strict=True)
-        ]
-        new_leaves = list(leaves)
-        for i, s, g in zip(float_at, sent, grads, strict=True):
-            new_leaves[i] = s.reshape(jnp.shape(g)).astype(g.dtype)
-        if error_feedback:
-            residual = tuple(
-                jnp.where(finite, x - s, r.reshape(-1)).reshape(r.shape)
-                for x, s, r in zip(u, sent, old, strict=True)
-            )
-        else:
-            residual = ()
-
-        denom = max(total, 1)
-        last = CompressMetrics(
-            target_density=state.last.target_density,
-            density=jnp.where(finite, counts, 0).astype(jnp.float32) / denom,
-            selected_density=selected.astype(jnp.float32) / denom,
-            threshold=jnp.asarray(etas, jnp.float32),
-            overflow=jnp.where(finite, selected - counts, 0).astype(jnp.int32),
-            bytes=jnp.asarray(caps * _SLOT_BYTES, jnp.int32),
-            nonfinite=~finite,
+        cap = payload_lib.capacity(u.shape[0], ratio, capacity_factor)
+        return Selection(
+            payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
         )
-        new_state = CompressState(residual, state.stages, state.count + 1, last)
-        return jax.tree.unflatten(treedef, new_leaves), new_state
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    adapt = None
+    if adaptation is not None:
+
+        def adapt(stage_count, control, achieved_over_target):
+            return control_lib.adapt(
+                stage_count,
+                control,
+                achieved_over_target,
+                rule=adaptation,
+                period=period,
+                band=band,
+                max_stages=limit,
+            )
+
+    return sparsifier(
+        select,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        stages=stages,
+        adapt=adapt,
+    )

@@ -1,0 +1,315 @@
+"""The compressors SIDCo is compared with, in the same interface as :func:`compress`.
+
+Each is a selection rule run inside :func:`sparsifier`, so error feedback,
+granularity, non-finite handling and metrics are the same for all. ``k`` is
+``max(floor(n * ratio), 1)`` for a vector of ``n`` entries.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.scipy import special
+
+from sidco_jax._src import passes, thresholds
+from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.transform import (
+    SLOT_BYTES,
+    CompressMetrics,
+    CompressState,
+    Selection,
+    check_common,
+    is_float,
+    sparsifier,
+    static,
+)
+
+
+def _k(n: int, ratio: float) -> int:
+    return max(math.floor(n * ratio), 1)
+
+
+def _finite(u: jax.Array) -> jax.Array:
+    (total,) = passes.reduce_each(u, [lambda v, zero: v + zero])
+    return jnp.isfinite(total)
+
+
+def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.Payload, jax.Array]:
+    """Exact top-k as a payload of ``capacity >= k`` slots, and the k-th magnitude."""
+    n = u.shape[0]
+    mags, idx = lax.top_k(jnp.abs(u), k)
+    pad = capacity - k
+    values = jnp.pad(u[idx], (0, pad))
+    indices = jnp.pad(idx.astype(jnp.int32), (0, pad), constant_values=n)
+    return payload_lib.Payload(
+        values, indices, jnp.int32(k), jnp.asarray(selected, jnp.int32)
+    ), mags[-1]
+
+
+def topk(
+    ratio: float, *, granularity: str = "model", error_feedback: bool = True
+) -> optax.GradientTransformationExtraArgs:
+    """Exact top-k sparsification (``lax.top_k``) with error feedback.
+
+    Args:
+      ratio: target density in (0, 1]; ``k = max(floor(n * ratio), 1)``.
+      granularity: ``"model"`` or ``"leaf"`` (see :func:`compress`).
+      error_feedback: keep what was not sent for the next step.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Examples:
+      >>> import jax.numpy as jnp, sidco_jax as sidco
+      >>> tx = sidco.topk(0.25)
+      >>> g = jnp.array([0.1, -5.0, 0.3, 2.0, 0.0, 0.2, -0.4, 0.05])
+      >>> tx.update(g, tx.init(g))[0]
+      Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
+    """
+    check_common(ratio, 1.0, granularity)
+
+    def select(u, stages, key):
+        del stages, key
+        k = _k(u.shape[0], ratio)
+        payload, kth = _top_k(u, k, k, k)
+        return Selection(payload, kth, _finite(u), k * SLOT_BYTES)
+
+    return sparsifier(select, ratio=ratio, granularity=granularity, error_feedback=error_feedback)
+
+
+def dgc(
+    ratio: float,
+    *,
+    sample_ratio: float = 0.01,
+    granularity: str = "model",
+    error_feedback: bool = True,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
+
+    The threshold is the k-th largest magnitude of a random sample of
+    ``sample_ratio`` of the entries (scaled to the sample). When more than
+    ``4k/3`` entries pass it, an exact top-k trims the selection to ``k``.
+    The payload holds ``ceil(4k/3)`` slots.
+
+    Args:
+      ratio: target density in (0, 1].
+      sample_ratio: fraction of the entries sampled, in (0, 1].
+      granularity: ``"model"`` or ``"leaf"``.
+      error_feedback: keep what was not sent for the next step.
+      seed: seed of the sample (the same on every device).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+    """
+    check_common(ratio, 1.0, granularity)
+    thresholds.check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
+
+    def select(u, stages, key):
+        del stages
+        n = u.shape[0]
+        k = _k(n, ratio)
+        cap = min(math.ceil(4 * k / 3), n)
+        size = min(max(math.ceil(sample_ratio * n), 1), n)
+        sample = jnp.abs(u[jax.random.randint(key, (size,), 0, n)])
+        eta = lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0][-1]
+        selected = passes.count_above(u, eta)
+
+        def trim(_):
+            return _top_k(u, k, cap, selected)
+
+        def keep(_):
+            return payload_lib.sparsify(u, eta, cap), eta
+
+        payload, eta = lax.cond(selected > cap, trim, keep, None)
+        return Selection(payload, eta, _finite(u), cap * SLOT_BYTES)
+
+    return sparsifier(
+        select, ratio=ratio, granularity=granularity, error_feedback=error_feedback, seed=seed
+    )
+
+
+def redsync(
+    ratio: float,
+    *,
+    capacity_factor: float = 2.0,
+    tolerance: float = 1e-3,
+    granularity: str = "model",
+    error_feedback: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """RedSync's trimmed threshold (Fang et al., 2019).
+
+    Bisection on ``t`` in ``eta = mean + t (max - mean)`` of the magnitudes
+    until between ``k`` and ``2k`` entries pass (or the bracket is narrower
+    than ``tolerance``); one counting pass per step of the bisection.
+
+    Args:
+      ratio: target density in (0, 1].
+      capacity_factor: payload slots per ``k`` (default 2, RedSync's window).
+      tolerance: smallest bracket width of ``t``.
+      granularity: ``"model"`` or ``"leaf"``.
+      error_feedback: keep what was not sent for the next step.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+    """
+    check_common(ratio, capacity_factor, granularity)
+    if not 0.0 < tolerance < 1.0:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance!r}")
+
+    def select(u, stages, key):
+        del stages, key
+        n = u.shape[0]
+        k = _k(n, ratio)
+        cap = payload_lib.capacity(n, ratio, capacity_factor)
+        (total,) = passes.reduce_each(u, [lambda v, z: jnp.abs(v) + z])
+        (top,) = passes.reduce_each(u, [lambda v, z: jnp.abs(v) + z], after=total, op=jnp.max)
+        mean = total / n
+
+        def threshold_at(t):
+            return mean + t * (top - mean)
+
+        def in_window(count):
+            return (count > k) & (count < 2 * k)
+
+        def searching(carry):
+            lo, hi, _, count = carry
+            return (hi - lo > tolerance) & ~in_window(count)
+
+        def bisect(carry):
+            lo, hi, _, _ = carry
+            t = 0.5 * (lo + hi)
+            count = passes.count_above(u, threshold_at(t))
+            too_few = count <= k
+            return jnp.where(too_few, lo, t), jnp.where(too_few, t, hi), t, count
+
+        start = (jnp.float32(0), jnp.float32(1), jnp.float32(0), jnp.int32(-1))
+        lo, _, t, count = lax.while_loop(searching, bisect, start)
+        # The last probe if it landed in the window, else the lowest bound known to pass > k.
+        eta = threshold_at(jnp.where(in_window(count), t, lo))
+        return Selection(
+            payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
+        )
+
+    return sparsifier(select, ratio=ratio, granularity=granularity, error_feedback=error_feedback)
+
+
+def gaussiank(
+    ratio: float,
+    *,
+    capacity_factor: float = 4 / 3,
+    granularity: str = "model",
+    error_feedback: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
+
+    ``eta = |mean| + std * Phi^-1(1 - ratio / 2)`` from the signed entries;
+    then, up to three times, halve ``eta`` when fewer than ``2k/3`` entries
+    pass and multiply it by 1.5 when more than ``4k/3`` do.
+
+    Args:
+      ratio: target density in (0, 1].
+      capacity_factor: payload slots per ``k`` (default 4/3, the upper band).
+      granularity: ``"model"`` or ``"leaf"``.
+      error_feedback: keep what was not sent for the next step.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+    """
+    check_common(ratio, capacity_factor, granularity)
+
+    def select(u, stages, key):
+        del stages, key
+        n = u.shape[0]
+        k = _k(n, ratio)
+        cap = payload_lib.capacity(n, ratio, capacity_factor)
+        total, squares = passes.reduce_each(u, [lambda v, z: v + z, lambda v, z: v * v + z])
+        mean = total / n
+        std = jnp.sqrt(jnp.maximum(squares / n - mean * mean, 0.0))
+        eta = jnp.abs(mean) + std * special.ndtri(1.0 - ratio / 2.0)
+
+        def correct(_, carry):
+            eta, done = carry
+            count = passes.count_above(u, eta, after=eta)
+            few, many = 3 * count < 2 * k, 3 * count > 4 * k
+            factor = jnp.where(done, 1.0, jnp.where(few, 0.5, jnp.where(many, 1.5, 1.0)))
+            return eta * factor, done | ~(few | many)
+
+        eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.array(False)))
+        return Selection(
+            payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
+        )
+
+    return sparsifier(select, ratio=ratio, granularity=granularity, error_feedback=error_feedback)
+
+
+def randomk(
+    ratio: float, *, granularity: str = "model", error_feedback: bool = True, seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """Random-k: ``k`` entries drawn without replacement, the same on every device.
+
+    The indices follow from the seed and the step count, so only the ``k``
+    float32 values need to travel (``bytes`` counts 4 per entry).
+
+    Args:
+      ratio: target density in (0, 1].
+      granularity: ``"model"`` or ``"leaf"``.
+      error_feedback: keep what was not sent for the next step.
+      seed: seed of the draw.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+    """
+    check_common(ratio, 1.0, granularity)
+
+    def select(u, stages, key):
+        del stages
+        n = u.shape[0]
+        k = _k(n, ratio)
+        idx = jnp.sort(jax.random.choice(key, n, (k,), replace=False)).astype(jnp.int32)
+        payload = payload_lib.Payload(u[idx], idx, jnp.int32(k), jnp.int32(k))
+        return Selection(payload, jnp.zeros((), jnp.float32), _finite(u), k * 4)
+
+    return sparsifier(
+        select, ratio=ratio, granularity=granularity, error_feedback=error_feedback, seed=seed
+    )
+
+
+def dense() -> optax.GradientTransformationExtraArgs:
+    """No compression: the gradient passes unchanged (metrics report density 1).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with the same state type as
+      the compressors, so :func:`sidco_jax.metrics` works for it too.
+    """
+
+    def metrics(message, finite):
+        one = jnp.ones((), jnp.float32)
+        return CompressMetrics(
+            target_density=one,
+            density=jnp.where(finite, one, 0.0),
+            selected_density=one,
+            threshold=jnp.zeros((), jnp.float32),
+            overflow=jnp.zeros((), jnp.int32),
+            bytes=jnp.asarray(message, jnp.int32),
+            nonfinite=~finite,
+        )
+
+    def init(params):
+        del params
+        zero = jnp.zeros((), jnp.int32)
+        return CompressState((), zero, (), zero, metrics(0, jnp.array(True)))
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        floats = [jnp.asarray(x) for x in jax.tree.leaves(updates) if is_float(x)]
+        finite = jnp.array(True)
+        for x in floats:
+            finite &= _finite(x.reshape(-1))
+        message = sum(x.size * x.dtype.itemsize for x in floats)
+        new = CompressState((), state.stages, (), state.count + 1, metrics(message, finite))
+        return updates, new
+
+    return optax.GradientTransformationExtraArgs(init, update)

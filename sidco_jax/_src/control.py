@@ -1,0 +1,98 @@
+"""Adapting SIDCo's stage count to keep the achieved density on target.
+
+The best stage count depends on the data, and under error feedback the law of
+what is thresholded drifts step by step. Every ``period`` steps the controller
+looks at the mean of ``achieved / target`` over the window:
+
+* ``"paper"`` (the reference code): above ``1 + band`` one stage fewer, below
+  ``1 - band`` one stage more.
+* ``"directional"``: the same moves, but the direction flips whenever the
+  error ``|log(achieved / target)|`` of a window grew after a move, because
+  more stages lower the count on some data and raise it on other.
+
+Stages stay in ``[1, max_stages]``. All arithmetic is on device, with no
+Python branching on values, so a changing stage count never recompiles. The
+statistic should be averaged over devices before it gets here, so that every
+device takes the same decision.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+RULES = ("paper", "directional")
+
+
+class StageControl(NamedTuple):
+    """State of the stage controller.
+
+    Attributes:
+      window: sum of ``achieved / target`` over the current window.
+      steps: steps in the current window.
+      error: ``|log(mean achieved / target)|`` of the previous window.
+      moved: whether the previous window changed the stage count.
+      sense: +1 or -1: multiplies the paper's move (flipped by ``"directional"``).
+    """
+
+    window: jax.Array
+    steps: jax.Array
+    error: jax.Array
+    moved: jax.Array
+    sense: jax.Array
+
+
+def init() -> StageControl:
+    return StageControl(
+        window=jnp.zeros((), jnp.float32),
+        steps=jnp.zeros((), jnp.int32),
+        error=jnp.full((), jnp.inf, jnp.float32),
+        moved=jnp.zeros((), bool),
+        sense=jnp.ones((), jnp.int32),
+    )
+
+
+def adapt(
+    stages: jax.Array,
+    control: StageControl,
+    achieved_over_target: jax.Array,
+    *,
+    rule: str,
+    period: int,
+    band: float,
+    max_stages: int,
+) -> tuple[jax.Array, StageControl]:
+    """Records one step and, at the end of a window, moves the stage count.
+
+    Args:
+      stages: current int32 stage count.
+      control: controller state.
+      achieved_over_target: this step's sent density over the target (already
+        averaged over devices where there are several).
+      rule: ``"paper"`` or ``"directional"``.
+      period: steps per window (the paper's ``Q = 5``).
+      band: tolerance around 1 (the paper's 0.2).
+      max_stages: upper clamp of the stage count.
+
+    Returns:
+      The new stage count and controller state.
+    """
+    window = control.window + achieved_over_target
+    steps = control.steps + 1
+    decide = steps >= period
+    mean = window / steps.astype(jnp.float32)
+    error = jnp.abs(jnp.log(jnp.maximum(mean, 1e-6)))
+    sense = control.sense
+    if rule == "directional":
+        # The last move made things worse: reverse what "more stages" means here.
+        sense = jnp.where(decide & control.moved & (error > control.error), -sense, sense)
+    move = jnp.where(mean > 1.0 + band, -1, jnp.where(mean < 1.0 - band, 1, 0)) * sense
+    new_stages = jnp.clip(stages + jnp.where(decide, move, 0), 1, max_stages)
+    new = StageControl(
+        window=jnp.where(decide, 0.0, window),
+        steps=jnp.where(decide, 0, steps),
+        error=jnp.where(decide, error, control.error),
+        moved=jnp.where(decide, new_stages != stages, control.moved),
+        sense=sense,
+    )
+    return new_stages.astype(jnp.int32), new
