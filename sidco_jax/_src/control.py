@@ -6,9 +6,14 @@ looks at the mean of ``achieved / target`` over the window:
 
 * ``"paper"`` (the reference code): above ``1 + band`` one stage fewer, below
   ``1 - band`` one stage more.
-* ``"directional"``: the same moves, but the direction flips whenever the
-  error ``|log(achieved / target)|`` of a window grew after a move, because
-  more stages lower the count on some data and raise it on other.
+* ``"directional"``: the same moves, but the direction flips whenever a
+  move (also one blocked at a bound) did not lower the error
+  ``|log(achieved / target)|`` of the next window, because more stages lower
+  the count on some data and raise it on other. With the count-targeting
+  later stages of :func:`sidco_jax.threshold`, more stages move the density
+  towards the target from either side, so the paper's fixed direction can
+  get stuck at one stage (for example a heavy-tailed gradient that one stage
+  over-selects: the rule asks for fewer stages, which is impossible).
 
 Stages stay in ``[1, max_stages]``. All arithmetic is on device, with no
 Python branching on values, so a changing stage count never recompiles. The
@@ -31,7 +36,7 @@ class StageControl(NamedTuple):
       window: sum of ``achieved / target`` over the current window.
       steps: steps in the current window.
       error: ``|log(mean achieved / target)|`` of the previous window.
-      moved: whether the previous window changed the stage count.
+      moved: whether the previous window asked for a move (even a blocked one).
       sense: +1 or -1: multiplies the paper's move (flipped by ``"directional"``).
     """
 
@@ -85,14 +90,14 @@ def adapt(
     sense = control.sense
     if rule == "directional":
         # The last move made things worse: reverse what "more stages" means here.
-        sense = jnp.where(decide & control.moved & (error > control.error), -sense, sense)
+        sense = jnp.where(decide & control.moved & (error >= control.error), -sense, sense)
     move = jnp.where(mean > 1.0 + band, -1, jnp.where(mean < 1.0 - band, 1, 0)) * sense
     new_stages = jnp.clip(stages + jnp.where(decide, move, 0), 1, max_stages)
     new = StageControl(
         window=jnp.where(decide, 0.0, window),
         steps=jnp.where(decide, 0, steps),
         error=jnp.where(decide, error, control.error),
-        moved=jnp.where(decide, new_stages != stages, control.moved),
+        moved=jnp.where(decide, move != 0, control.moved),
         sense=sense,
     )
     return new_stages.astype(jnp.int32), new
