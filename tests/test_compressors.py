@@ -202,3 +202,30 @@ def test_inside_multisteps_equals_compressing_the_mean_gradient(rng):
         ref_params = optax.apply_updates(ref_params, updates)
     np.testing.assert_allclose(params, ref_params, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(sidco.metrics(state)["step"], sidco.metrics(ref_state)["step"])
+
+
+@pytest.mark.parametrize("problem", [_least_squares, _logistic])
+@pytest.mark.parametrize("ratio", [0.05, 0.01])
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+def test_adaptive_default_keeps_density_on_target_under_error_feedback(
+    rng, problem, ratio, estimator
+):
+    loss, params, lr = problem(rng)
+    tx = sidco.compress(ratio, estimator=estimator)
+    opt = optax.chain(tx, optax.sgd(lr))
+
+    def step(carry, _):
+        params, state = carry
+        updates, state = opt.update(jax.grad(loss)(params), state, params)
+        m = sidco.metrics(state)
+        return (optax.apply_updates(params, updates), state), m["density"] / m["target_density"]
+
+    _, achieved = jax.jit(lambda c: jax.lax.scan(step, c, None, length=600))(
+        (params, opt.init(params))
+    )
+    after_warmup = np.asarray(achieved)[100:]
+    within = np.mean((after_warmup >= 0.5) & (after_warmup <= 2.0))
+    assert within >= 0.95 and 0.8 <= np.median(after_warmup) <= 1.25, (
+        within,
+        np.median(after_warmup),
+    )

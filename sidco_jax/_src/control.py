@@ -51,7 +51,7 @@ def init() -> StageControl:
     return StageControl(
         window=jnp.zeros((), jnp.float32),
         steps=jnp.zeros((), jnp.int32),
-        error=jnp.full((), jnp.inf, jnp.float32),
+        error=jnp.full((), jnp.finfo(jnp.float32).max, jnp.float32),  # no window yet
         moved=jnp.zeros((), bool),
         sense=jnp.ones((), jnp.int32),
     )

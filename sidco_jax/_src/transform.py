@@ -257,7 +257,7 @@ def compress(
     *,
     estimator: str = "exponential",
     stages: int | None = None,
-    adaptation: str | None = None,
+    adaptation: str | None = "paper",
     first_ratio: float = 0.25,
     capacity_factor: float = 1.0,
     granularity: str = "model",
@@ -275,8 +275,11 @@ def compress(
       stages: (initial) number of threshold stages, in
         ``[1, max_stages(ratio)]``; by default ``min(3, max_stages(ratio))``.
       adaptation: how the stage count follows the achieved density:
-        ``None`` (fixed), ``"paper"`` or ``"directional"`` (see
-        docs/optax.md).
+        ``"paper"`` (default: every ``period`` steps one stage fewer above
+        ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
+        (reverses after a move that did not help) or ``None`` (fixed). The
+        default was chosen on training runs under error feedback
+        (docs/benchmarks.md).
       first_ratio: density targeted by the first of several stages.
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
