@@ -27,7 +27,9 @@ def grads_tree(rng):
         "w": rng.standard_t(3, size=(40, 50)).astype(np.float32),
         "b": rng.normal(scale=0.1, size=50).astype(np.float32),
         "h": jnp.asarray(rng.normal(size=200), jnp.bfloat16),
+        "f": jnp.asarray(rng.normal(size=100), jnp.float16),
         "n": np.int32(3),
+        "mask": np.array([True, False]),
     }
 
 
@@ -54,7 +56,8 @@ def test_sent_plus_residual_is_gradient_plus_old_residual(rng, name, granularity
         sent, state = update(grads, state)
         new = np.concatenate([np.asarray(r).ravel() for r in state.residual])
         np.testing.assert_array_equal(flat_floats(sent) + new, flat_floats(grads) + old)
-        assert sent["n"] == grads["n"] and sent["h"].dtype == jnp.bfloat16
+        assert sent["n"] == grads["n"] and np.array_equal(sent["mask"], grads["mask"])
+        assert sent["h"].dtype == jnp.bfloat16 and sent["f"].dtype == jnp.float16
         sent_total += np.count_nonzero(flat_floats(sent))
     assert sent_total > 0
 
@@ -229,3 +232,14 @@ def test_adaptive_default_keeps_density_on_target_under_error_feedback(
         within,
         np.median(after_warmup),
     )
+
+
+def test_apply_if_finite_skips_the_step_and_keeps_the_compressor_state(rng):
+    g = rng.normal(size=1000).astype(np.float32)
+    tx = optax.apply_if_finite(optax.chain(sidco.compress(0.05), optax.sgd(0.1)), 3)
+    state = tx.init(g)
+    _, state = tx.update(g, state, g)
+    before = jax.tree.map(np.asarray, state.inner_state)
+    updates, state = tx.update(np.where(np.arange(1000) == 5, np.inf, g), state, g)
+    assert not np.any(np.asarray(updates)) and int(state.notfinite_count) == 1
+    jax.tree.map(np.testing.assert_array_equal, state.inner_state, before)
