@@ -243,3 +243,16 @@ def test_apply_if_finite_skips_the_step_and_keeps_the_compressor_state(rng):
     updates, state = tx.update(np.where(np.arange(1000) == 5, np.inf, g), state, g)
     assert not np.any(np.asarray(updates)) and int(state.notfinite_count) == 1
     jax.tree.map(np.testing.assert_array_equal, state.inner_state, before)
+
+
+def test_randomk_sends_every_entry_about_equally_often():
+    n, ratio, steps = 103, 0.1, 1000
+    tx = sidco.randomk(ratio, error_feedback=False)
+    update = jax.jit(tx.update)
+    g, state, hits = jnp.ones(n), tx.init(jnp.ones(n)), np.zeros(n)
+    for _ in range(steps):
+        out, state = update(g, state)
+        hits += np.asarray(out) != 0
+    assert np.all(hits.sum() == steps * 10)  # k = 10 distinct entries every step
+    # Strata of 10 or 11 entries: inclusion probability 1/11 to 1/10, up to sampling noise.
+    assert 0.06 < hits.min() / steps and hits.max() / steps < 0.13

@@ -43,9 +43,10 @@ def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.P
     pad = capacity - k
     values = jnp.pad(u[idx], (0, pad))
     indices = jnp.pad(idx.astype(jnp.int32), (0, pad), constant_values=n)
-    return payload_lib.Payload(
-        values, indices, jnp.int32(k), jnp.asarray(selected, jnp.int32)
-    ), mags[-1]
+    # jnp.min, not mags[-1]: slicing top_k's output sent XLA's CPU backend down a
+    # path ~30x slower (63 ms against 2 ms at n = 2^18, k = 2621).
+    payload = payload_lib.Payload(values, indices, jnp.int32(k), jnp.asarray(selected, jnp.int32))
+    return payload, jnp.min(mags)
 
 
 def topk(
@@ -114,7 +115,7 @@ def dgc(
         cap = min(math.ceil(4 * k / 3), n)
         size = min(max(math.ceil(sample_ratio * n), 1), n)
         sample = jnp.abs(u[jax.random.randint(key, (size,), 0, n)])
-        eta = lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0][-1]
+        eta = jnp.min(lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0])
         selected = passes.count_above(u, eta)
 
         def trim(_):
@@ -248,10 +249,15 @@ def gaussiank(
 def randomk(
     ratio: float, *, granularity: str = "model", error_feedback: bool = True, seed: int = 0
 ) -> optax.GradientTransformationExtraArgs:
-    """Random-k: ``k`` entries drawn without replacement, the same on every device.
+    """Random-k: ``k`` random entries, the same on every device.
 
-    The indices follow from the seed and the step count, so only the ``k``
-    float32 values need to travel (``bytes`` counts 4 per entry).
+    Stratified draw: the vector is cut into ``k`` contiguous strata of
+    ``n / k`` entries (give or take one) and one uniformly random entry is
+    taken from each, so every entry is sent with probability about ``k / n``,
+    no entry twice, at ``O(k)`` cost (``jax.random.choice`` without
+    replacement permutes all ``n`` entries: 132 ms at n = 2^18 here). The
+    indices follow from the seed and the step count, so only the ``k`` float32
+    values need to travel (``bytes`` counts 4 per entry).
 
     Args:
       ratio: target density in (0, 1].
@@ -268,7 +274,12 @@ def randomk(
         del stages
         n = u.shape[0]
         k = _k(n, ratio)
-        idx = jnp.sort(jax.random.choice(key, n, (k,), replace=False)).astype(jnp.int32)
+        # k strata of n // k entries, the first n % k of them one longer (exact in int32).
+        j = jnp.arange(k, dtype=jnp.int32)
+        start = j * (n // k) + jnp.minimum(j, n % k)
+        width = n // k + (j < n % k).astype(jnp.int32)
+        offset = jnp.floor(jax.random.uniform(key, (k,)) * width).astype(jnp.int32)
+        idx = start + jnp.minimum(offset, width - 1)
         payload = payload_lib.Payload(u[idx], idx, jnp.int32(k), jnp.int32(k))
         return Selection(payload, jnp.zeros((), jnp.float32), _finite(u), k * 4)
 
