@@ -255,4 +255,4 @@ def test_randomk_sends_every_entry_about_equally_often():
         hits += np.asarray(out) != 0
     assert np.all(hits.sum() == steps * 10)  # k = 10 distinct entries every step
     # Strata of 10 or 11 entries: inclusion probability 1/11 to 1/10, up to sampling noise.
-    assert 0.06 < hits.min() / steps and hits.max() / steps < 0.13
+    assert hits.min() / steps > 0.06 and hits.max() / steps < 0.13
