@@ -17,13 +17,13 @@ from sidco_jax._src import passes, thresholds
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.transform import (
     SLOT_BYTES,
-    CompressMetrics,
     CompressState,
     Selection,
     check_common,
     is_float,
     sparsifier,
     static,
+    step_metrics,
 )
 
 
@@ -296,22 +296,13 @@ def dense() -> optax.GradientTransformationExtraArgs:
       the compressors, so :func:`sidco_jax.metrics` works for it too.
     """
 
-    def metrics(message, finite):
-        one = jnp.ones((), jnp.float32)
-        return CompressMetrics(
-            target_density=one,
-            density=jnp.where(finite, one, 0.0),
-            selected_density=one,
-            threshold=jnp.zeros((), jnp.float32),
-            overflow=jnp.zeros((), jnp.int32),
-            bytes=jnp.asarray(message, jnp.int32),
-            nonfinite=~finite,
-        )
+    def metrics(n, message, finite):
+        return step_metrics(1.0, n, n, n, jnp.zeros((), jnp.float32), message, finite)
 
     def init(params):
         del params
         zero = jnp.zeros((), jnp.int32)
-        return CompressState((), zero, (), zero, metrics(0, jnp.array(True)))
+        return CompressState((), zero, (), zero, metrics(1, 0, jnp.array(True)))
 
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -320,7 +311,8 @@ def dense() -> optax.GradientTransformationExtraArgs:
         for x in floats:
             finite &= _finite(x.reshape(-1))
         message = sum(x.size * x.dtype.itemsize for x in floats)
-        new = CompressState((), state.stages, (), state.count + 1, metrics(message, finite))
+        n = sum(x.size for x in floats)
+        new = CompressState((), state.stages, (), state.count + 1, metrics(n, message, finite))
         return updates, new
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -136,7 +136,8 @@ def check_common(ratio, capacity_factor, granularity) -> None:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
-def _metrics(ratio, sent, selected, n, eta, message, finite) -> CompressMetrics:
+def step_metrics(ratio, sent, selected, n, eta, message, finite) -> CompressMetrics:
+    """The :class:`CompressMetrics` of a step that sent ``sent`` of ``n`` entries."""
     n = max(n, 1)
     return CompressMetrics(
         target_density=jnp.asarray(ratio, jnp.float32),
@@ -189,7 +190,7 @@ def sparsifier(
             stages=jnp.asarray(stages, jnp.int32),
             control=control_lib.init() if adapt is not None else (),
             count=zero,
-            last=_metrics(ratio, zero, zero, 1, eta, 0, jnp.array(True)),
+            last=step_metrics(ratio, zero, zero, 1, eta, 0, jnp.array(True)),
         )
 
     def update(updates, state, params=None, **extra_args):
@@ -209,23 +210,24 @@ def sparsifier(
         vectors = [jnp.concatenate(u) if len(u) > 1 else u[0]] if whole else u
         keys = jax.random.split(key, max(len(vectors), 1))
         chosen = [select(x, state.stages, k) for x, k in zip(vectors, keys, strict=False)]
-        dense = [
-            payload_lib.densify(c.payload, x.shape[0]) for c, x in zip(chosen, vectors, strict=True)
-        ]
-        splits = jnp.split(dense[0], np.cumsum(sizes)[:-1].tolist()) if whole else dense
         if whole:
             etas = chosen[0].threshold
         else:
             etas = jnp.stack([c.threshold for c in chosen]) if chosen else state.last.threshold
         finite = jnp.all(jnp.stack([c.finite for c in chosen])) if chosen else jnp.array(True)
 
-        # A non-finite step sends nothing and leaves the residual as it was. The
-        # update is rounded to the gradient's dtype and the rounding error stays
-        # in the residual, so nothing is lost with bf16/fp16 gradients either.
-        sent = [
-            jnp.where(finite, s, 0.0).astype(g.dtype).astype(jnp.float32)
-            for s, g in zip(splits, grads, strict=True)
+        # A non-finite step sends nothing (masked on the payload, not the dense
+        # vector) and leaves the residual as it was. The update is rounded to the
+        # gradient's dtype and the rounding error stays in the residual, so
+        # nothing is lost with bf16/fp16 gradients either.
+        dense = [
+            payload_lib.densify(
+                c.payload._replace(values=jnp.where(finite, c.payload.values, 0.0)), x.shape[0]
+            )
+            for c, x in zip(chosen, vectors, strict=True)
         ]
+        splits = jnp.split(dense[0], np.cumsum(sizes)[:-1].tolist()) if whole else dense
+        sent = [s.astype(g.dtype).astype(jnp.float32) for s, g in zip(splits, grads, strict=True)]
         new_leaves = list(leaves)
         for i, s, g in zip(float_at, sent, grads, strict=True):
             new_leaves[i] = s.reshape(g.shape).astype(g.dtype)
@@ -241,7 +243,7 @@ def sparsifier(
         count = sum((c.payload.count for c in chosen), jnp.int32(0))
         selected = sum((c.payload.selected for c in chosen), jnp.int32(0))
         message = sum(c.bytes for c in chosen)
-        last = _metrics(ratio, count, selected, sum(sizes), etas, message, finite)
+        last = step_metrics(ratio, count, selected, sum(sizes), etas, message, finite)
         stages_, control = state.stages, state.control
         if adapt is not None:
             achieved = last.density / last.target_density
