@@ -19,6 +19,7 @@ from sidco_jax._src.transform import (
     SLOT_BYTES,
     CompressState,
     Selection,
+    check_axis,
     check_common,
     is_float,
     sparsifier,
@@ -50,7 +51,12 @@ def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.P
 
 
 def topk(
-    ratio: float, *, granularity: str = "model", error_feedback: bool = True
+    ratio: float,
+    *,
+    granularity: str = "model",
+    error_feedback: bool = True,
+    axis_name=None,
+    communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
 
@@ -58,6 +64,8 @@ def topk(
       ratio: target density in (0, 1]; ``k = max(floor(n * ratio), 1)``.
       granularity: ``"model"`` or ``"leaf"`` (see :func:`compress`).
       error_feedback: keep what was not sent for the next step.
+      axis_name: mesh axis (or tuple of axes) to average over; None for local.
+      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -77,7 +85,14 @@ def topk(
         payload, kth = _top_k(u, k, k, k)
         return Selection(payload, kth, _finite(u), k * SLOT_BYTES)
 
-    return sparsifier(select, ratio=ratio, granularity=granularity, error_feedback=error_feedback)
+    return sparsifier(
+        select,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        axis_name=axis_name,
+        communication=communication,
+    )
 
 
 def dgc(
@@ -87,6 +102,8 @@ def dgc(
     granularity: str = "model",
     error_feedback: bool = True,
     seed: int = 0,
+    axis_name=None,
+    communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
 
@@ -100,6 +117,8 @@ def dgc(
       sample_ratio: fraction of the entries sampled, in (0, 1].
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
+      axis_name: mesh axis (or tuple of axes) to average over; None for local.
+      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
       seed: seed of the sample (the same on every device).
 
     Returns:
@@ -128,7 +147,13 @@ def dgc(
         return Selection(payload, eta, _finite(u), cap * SLOT_BYTES)
 
     return sparsifier(
-        select, ratio=ratio, granularity=granularity, error_feedback=error_feedback, seed=seed
+        select,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        seed=seed,
+        axis_name=axis_name,
+        communication=communication,
     )
 
 
@@ -139,6 +164,8 @@ def redsync(
     tolerance: float = 1e-3,
     granularity: str = "model",
     error_feedback: bool = True,
+    axis_name=None,
+    communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
 
@@ -152,6 +179,8 @@ def redsync(
       tolerance: smallest bracket width of ``t``.
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
+      axis_name: mesh axis (or tuple of axes) to average over; None for local.
+      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -194,7 +223,14 @@ def redsync(
             payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
         )
 
-    return sparsifier(select, ratio=ratio, granularity=granularity, error_feedback=error_feedback)
+    return sparsifier(
+        select,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        axis_name=axis_name,
+        communication=communication,
+    )
 
 
 def gaussiank(
@@ -203,6 +239,8 @@ def gaussiank(
     capacity_factor: float = 4 / 3,
     granularity: str = "model",
     error_feedback: bool = True,
+    axis_name=None,
+    communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
 
@@ -215,6 +253,8 @@ def gaussiank(
       capacity_factor: payload slots per ``k`` (default 4/3, the upper band).
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
+      axis_name: mesh axis (or tuple of axes) to average over; None for local.
+      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -243,11 +283,23 @@ def gaussiank(
             payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
         )
 
-    return sparsifier(select, ratio=ratio, granularity=granularity, error_feedback=error_feedback)
+    return sparsifier(
+        select,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        axis_name=axis_name,
+        communication=communication,
+    )
 
 
 def randomk(
-    ratio: float, *, granularity: str = "model", error_feedback: bool = True, seed: int = 0
+    ratio: float,
+    *,
+    granularity: str = "model",
+    error_feedback: bool = True,
+    seed: int = 0,
+    axis_name=None,
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k: ``k`` random entries, the same on every device.
 
@@ -257,12 +309,14 @@ def randomk(
     no entry twice, at ``O(k)`` cost (``jax.random.choice`` without
     replacement permutes all ``n`` entries: 132 ms at n = 2^18 here). The
     indices follow from the seed and the step count, so only the ``k`` float32
-    values need to travel (``bytes`` counts 4 per entry).
+    values need to travel: across devices they are averaged by a ``psum`` of
+    ``k`` floats (``bytes`` counts 4 per entry).
 
     Args:
       ratio: target density in (0, 1].
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
+      axis_name: mesh axis (or tuple of axes) to average over; None for local.
       seed: seed of the draw.
 
     Returns:
@@ -281,20 +335,32 @@ def randomk(
         offset = jnp.floor(jax.random.uniform(key, (k,)) * width).astype(jnp.int32)
         idx = start + jnp.minimum(offset, width - 1)
         payload = payload_lib.Payload(u[idx], idx, jnp.int32(k), jnp.int32(k))
-        return Selection(payload, jnp.zeros((), jnp.float32), _finite(u), k * 4)
+        return Selection(payload, jnp.zeros((), jnp.float32), _finite(u), k * 4, shared=True)
 
     return sparsifier(
-        select, ratio=ratio, granularity=granularity, error_feedback=error_feedback, seed=seed
+        select,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        seed=seed,
+        axis_name=axis_name,
     )
 
 
-def dense() -> optax.GradientTransformationExtraArgs:
-    """No compression: the gradient passes unchanged (metrics report density 1).
+def dense(*, axis_name=None) -> optax.GradientTransformationExtraArgs:
+    """No compression: the plain mean of the gradient over ``axis_name``.
+
+    Args:
+      axis_name: mesh axis (or tuple of axes) to ``pmean`` over; None passes
+        the gradient through unchanged.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with the same state type as
-      the compressors, so :func:`sidco_jax.metrics` works for it too.
+      the compressors (metrics report density 1 and the dense message bytes),
+      so :func:`sidco_jax.metrics` and :func:`sidco_jax.state_specs` work for
+      it too.
     """
+    check_axis(axis_name)
 
     def metrics(n, message, finite):
         return step_metrics(1.0, n, n, n, jnp.zeros((), jnp.float32), message, finite)
@@ -302,7 +368,9 @@ def dense() -> optax.GradientTransformationExtraArgs:
     def init(params):
         del params
         zero = jnp.zeros((), jnp.int32)
-        return CompressState((), zero, (), zero, metrics(1, 0, jnp.array(True)))
+        return CompressState(
+            jnp.zeros((0,), jnp.float32), zero, (), zero, metrics(1, 0, jnp.array(True))
+        )
 
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -310,9 +378,14 @@ def dense() -> optax.GradientTransformationExtraArgs:
         finite = jnp.array(True)
         for x in floats:
             finite &= _finite(x.reshape(-1))
+        if axis_name is not None:
+            updates = jax.tree.map(lambda x: lax.pmean(x, axis_name) if is_float(x) else x, updates)
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
         message = sum(x.size * x.dtype.itemsize for x in floats)
         n = sum(x.size for x in floats)
-        new = CompressState((), state.stages, (), state.count + 1, metrics(n, message, finite))
+        new = CompressState(
+            state.residual, state.stages, (), state.count + 1, metrics(n, message, finite)
+        )
         return updates, new
 
     return optax.GradientTransformationExtraArgs(init, update)

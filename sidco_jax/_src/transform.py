@@ -1,19 +1,21 @@
 """Sparsifying optax transformations with error feedback, and SIDCo's ``compress``.
 
-One step on one device, for the floating-point leaves of the gradient tree::
+One step on each device, for the floating-point leaves of the gradient tree
+flattened into one float32 vector::
 
-    u        = g + residual              # error feedback, float32
-    payload  = select(u)                 # whole model (default) or per leaf
-    update   = densify(payload)          # what this device sends
-    residual = u - update                # everything not sent, exactly
+    u        = g + residual                  # error feedback
+    payload  = select(u)                     # whole model (default) or per leaf
+    update   = mean over devices of payloads # collectives.py; local if no axis
+    residual = u - payload                   # everything not sent, exactly
 
 :func:`sparsifier` builds that loop around any selection rule; SIDCo's
 :func:`compress` and the baselines in ``baselines.py`` differ only in the rule.
-Integer and boolean leaves pass through untouched. A step whose gradient (or
-residual) holds a non-finite value sends nothing, keeps the old residual and
-raises the ``nonfinite`` flag of the metrics, so one bad batch cannot poison
-the residual. Aggregation across devices is not part of this module yet: the
-update is the locally sparsified gradient.
+Integer and boolean leaves pass through untouched. A step where any device's
+gradient (or residual) holds a non-finite value sends nothing anywhere, keeps
+every residual and raises the ``nonfinite`` flag of the metrics, so one bad
+batch cannot poison a residual. Whatever gates state (that flag, the stage
+controller's statistic) is reduced across the axis first, so every device
+takes the same decision and the update stays replicated.
 """
 
 from collections.abc import Callable
@@ -23,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
+from sidco_jax._src import collectives, thresholds
 from sidco_jax._src import control as control_lib
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src import thresholds
 
 GRANULARITIES = ("model", "leaf")
 SLOT_BYTES = 4 + 4  # a float32 value and an int32 index
@@ -40,12 +43,15 @@ class Selection(NamedTuple):
       threshold: the magnitude threshold used (0 where the rule has none).
       finite: whether the vector was finite (nothing is sent otherwise).
       bytes: static size of the message in bytes.
+      shared: whether the indices are the same on every device (then only the
+        values need to travel).
     """
 
     payload: payload_lib.Payload
     threshold: jax.Array
     finite: jax.Array
     bytes: int
+    shared: bool = False
 
 
 # select(u, stages, key) -> Selection, for a flat float32 vector u.
@@ -80,15 +86,17 @@ class CompressState(NamedTuple):
     """State of :func:`compress` and of the baselines.
 
     Attributes:
-      residual: float32 error-feedback residual of each floating-point leaf, in
-        ``jax.tree.leaves`` order (empty without error feedback).
+      residual: this device's float32 error-feedback residual: one flat vector
+        over the floating-point leaves in ``jax.tree.leaves`` order (length 0
+        without error feedback). Per device: under ``jax.shard_map`` its
+        partition spec is ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
       stages: int32 stage count of SIDCo's thresholds (0 for the baselines).
       control: the stage controller's state (empty without adaptation).
       count: int32 number of steps taken.
       last: :class:`CompressMetrics` of the last step.
     """
 
-    residual: tuple[jax.Array, ...]
+    residual: jax.Array
     stages: jax.Array
     control: Any
     count: jax.Array
@@ -150,6 +158,69 @@ def step_metrics(ratio, sent, selected, n, eta, message, finite) -> CompressMetr
     )
 
 
+def check_axis(axis_name, communication: str = "auto") -> None:
+    """Validates ``axis_name`` and ``communication`` (raises ``ValueError``)."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not (names and all(isinstance(a, str) for a in names)):
+        raise ValueError(
+            f"axis_name must be None, a mesh axis name or a tuple of them, got {axis_name!r}"
+        )
+    collectives.check_mode(communication)
+
+
+def reduce_figures(axis_name, finite, sent, selected, eta):
+    """This step's figures agreed across ``axis_name``: identical on every device.
+
+    Returns ``(finite, sent, selected, eta)``: finite on every device, the
+    total entries sent and selected, and the mean threshold. One ``psum``.
+    """
+    if axis_name is None:
+        return finite, sent, selected, eta
+    ints = jnp.stack([(~finite).astype(jnp.int32), sent.astype(jnp.int32)])
+    # Selected counts can exceed int32 once summed: float32 is enough for a density.
+    floats = jnp.concatenate([jnp.reshape(selected, (1,)).astype(jnp.float32), eta.reshape(-1)])
+    ints, floats = lax.psum((ints, floats), axis_name)
+    devices = lax.axis_size(axis_name)
+    return ints[0] == 0, ints[1], floats[0], (floats[1:] / devices).reshape(eta.shape)
+
+
+def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
+    """One payload over the concatenated vector from per-leaf payloads."""
+    if len(chosen) == 1:
+        return chosen[0].payload
+    n = sum(sizes)
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    indices = [
+        jnp.where(c.payload.indices < size, c.payload.indices + offset, n)
+        for c, size, offset in zip(chosen, sizes, offsets, strict=True)
+    ]
+    return payload_lib.Payload(
+        jnp.concatenate([c.payload.values for c in chosen]),
+        jnp.concatenate(indices).astype(jnp.int32),
+        sum((c.payload.count for c in chosen), jnp.int32(0)),
+        sum((c.payload.selected for c in chosen), jnp.int32(0)),
+    )
+
+
+def _round_to_leaves(values, indices, grads, sizes):
+    """Rounds each sent value to the dtype of the leaf it belongs to.
+
+    The update leaves in the gradient's dtype; rounding here, on the payload,
+    lets the residual keep the rounding error so that bf16/fp16 lose nothing.
+    """
+    dtypes = [g.dtype for g in grads]
+    if all(d == jnp.float32 for d in dtypes):
+        return values
+    if len(set(dtypes)) == 1:
+        return values.astype(dtypes[0]).astype(jnp.float32)
+    leaf = jnp.searchsorted(jnp.asarray(np.cumsum(sizes)), indices, side="right")
+    rounded = values
+    for dtype in set(dtypes) - {jnp.dtype(jnp.float32)}:
+        mine = jnp.isin(leaf, jnp.asarray([i for i, d in enumerate(dtypes) if d == dtype]))
+        rounded = jnp.where(mine, values.astype(dtype).astype(jnp.float32), rounded)
+    return rounded
+
+
 def sparsifier(
     select: Select,
     *,
@@ -159,14 +230,16 @@ def sparsifier(
     stages: int = 0,
     adapt: Callable | None = None,
     seed: int = 0,
+    axis_name=None,
+    communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
-    """Error feedback around a selection rule, as an optax transformation.
+    """Error feedback and aggregation around a selection rule, as an optax transformation.
 
     Args:
       select: ``select(u, stages, key) -> Selection`` for a flat float32 vector.
       ratio: target density (reported in the metrics).
       granularity: ``"model"`` (one selection over all floating-point leaves)
-        or ``"leaf"`` (one per leaf).
+        or ``"leaf"`` (one per leaf, merged into one message).
       error_feedback: keep what was not sent and add it to the next gradient.
       stages: initial stage count handed to ``select``.
       adapt: optional ``adapt(stages, control, achieved_over_target) ->
@@ -174,19 +247,23 @@ def sparsifier(
         ``control.init()``.
       seed: seed of the rule's randomness; the key of step ``t`` is
         ``fold_in(key(seed), t)``, the same on every device.
+      axis_name: mesh axis (or tuple of axes) to average the update over, or
+        None to sparsify locally.
+      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see
+        ``collectives.py``).
 
     Returns:
       The transformation.
     """
+    check_axis(axis_name, communication)
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
+        size = sum(int(np.prod(jnp.shape(p))) for p in floats) if error_feedback else 0
         zero = jnp.zeros((), jnp.int32)
         eta = jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32)
         return CompressState(
-            residual=tuple(jnp.zeros(jnp.shape(p), jnp.float32) for p in floats)
-            if error_feedback
-            else (),
+            residual=jnp.zeros((size,), jnp.float32),
             stages=jnp.asarray(stages, jnp.int32),
             control=control_lib.init() if adapt is not None else (),
             count=zero,
@@ -197,53 +274,64 @@ def sparsifier(
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
+        if not float_at:
+            return updates, state._replace(count=state.count + 1)
         grads = [jnp.asarray(leaves[i]) for i in float_at]
-        old = state.residual if error_feedback else tuple(jnp.zeros(()) for _ in grads)
-        u = [
-            g.astype(jnp.float32).reshape(-1) + r.reshape(-1)
-            for g, r in zip(grads, old, strict=True)
-        ]
-        sizes = [x.shape[0] for x in u]
+        sizes = [g.size for g in grads]
+        n = sum(sizes)
+        u = jnp.concatenate([g.astype(jnp.float32).reshape(-1) for g in grads])
+        if error_feedback:
+            u = u + state.residual
         key = jax.random.fold_in(jax.random.key(seed), state.count)
 
-        whole = granularity == "model" and len(u) > 0
-        vectors = [jnp.concatenate(u) if len(u) > 1 else u[0]] if whole else u
-        keys = jax.random.split(key, max(len(vectors), 1))
-        chosen = [select(x, state.stages, k) for x, k in zip(vectors, keys, strict=False)]
-        if whole:
-            etas = chosen[0].threshold
-        else:
-            etas = jnp.stack([c.threshold for c in chosen]) if chosen else state.last.threshold
-        finite = jnp.all(jnp.stack([c.finite for c in chosen])) if chosen else jnp.array(True)
+        whole = granularity == "model" or len(grads) == 1
+        vectors = [u] if whole else jnp.split(u, np.cumsum(sizes)[:-1].tolist())
+        keys = jax.random.split(key, len(vectors))
+        chosen = [select(x, state.stages, k) for x, k in zip(vectors, keys, strict=True)]
+        payload = _merge(chosen, [x.shape[0] for x in vectors])
+        etas = chosen[0].threshold if whole else jnp.stack([c.threshold for c in chosen])
+        shared = all(c.shared for c in chosen)
+        local_finite = jnp.all(jnp.stack([c.finite for c in chosen]))
 
-        # A non-finite step sends nothing (masked on the payload, not the dense
-        # vector) and leaves the residual as it was. The update is rounded to the
-        # gradient's dtype and the rounding error stays in the residual, so
-        # nothing is lost with bf16/fp16 gradients either.
-        dense = [
-            payload_lib.densify(
-                c.payload._replace(values=jnp.where(finite, c.payload.values, 0.0)), x.shape[0]
-            )
-            for c, x in zip(chosen, vectors, strict=True)
-        ]
-        splits = jnp.split(dense[0], np.cumsum(sizes)[:-1].tolist()) if whole else dense
-        sent = [s.astype(g.dtype).astype(jnp.float32) for s, g in zip(splits, grads, strict=True)]
-        new_leaves = list(leaves)
-        for i, s, g in zip(float_at, sent, grads, strict=True):
-            new_leaves[i] = s.reshape(g.shape).astype(g.dtype)
-        residual = (
-            tuple(
-                jnp.where(finite, x - s, r.reshape(-1)).reshape(r.shape)
-                for x, s, r in zip(u, sent, old, strict=True)
-            )
-            if error_feedback
-            else ()
+        # Every device agrees on the step before anything is sent: one
+        # non-finite device makes all of them send nothing and keep their
+        # residuals, and the stage controller sees the same mean everywhere.
+        sent = jnp.where(local_finite, payload.count, 0)
+        finite, sent, selected, etas = reduce_figures(
+            axis_name, local_finite, sent, payload.selected, etas
         )
+        values = jnp.where(
+            finite, _round_to_leaves(payload.values, payload.indices, grads, sizes), 0.0
+        )
+        payload = payload._replace(values=values)
 
-        count = sum((c.payload.count for c in chosen), jnp.int32(0))
-        selected = sum((c.payload.selected for c in chosen), jnp.int32(0))
-        message = sum(c.bytes for c in chosen)
-        last = step_metrics(ratio, count, selected, sum(sizes), etas, message, finite)
+        capacity = payload.values.shape[0]
+        if axis_name is None:
+            devices, mode = 1, "sparse"
+            mean = payload_lib.densify(payload, n)
+        else:
+            devices = lax.axis_size(axis_name)
+            # Shared indices need only a psum of the values, whatever the mode.
+            mode = "sparse" if shared else collectives.resolve(communication, n, capacity, devices)
+            mean = collectives.mean(payload, n, axis_name, mode, shared)
+
+        new_leaves = list(leaves)
+        for i, part, g in zip(
+            float_at, jnp.split(mean, np.cumsum(sizes)[:-1].tolist()), grads, strict=True
+        ):
+            new_leaves[i] = part.reshape(g.shape).astype(g.dtype)
+        # What this device did not send stays in its residual, exactly.
+        residual = state.residual
+        if error_feedback:
+            left = u.at[payload.indices].add(-payload.values, mode="drop")
+            residual = jnp.where(finite, left, state.residual)
+
+        message = (
+            sum(c.bytes for c in chosen)
+            if mode == "sparse"
+            else collectives.message_bytes(mode, n, capacity, shared)
+        )
+        last = step_metrics(ratio, sent, selected, n * devices, etas, message, finite)
         stages_, control = state.stages, state.control
         if adapt is not None:
             achieved = last.density / last.target_density
@@ -266,6 +354,8 @@ def compress(
     error_feedback: bool = True,
     period: int = 5,
     band: float = 0.2,
+    axis_name=None,
+    communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
 
@@ -290,6 +380,16 @@ def compress(
       error_feedback: keep what was not sent and add it to the next gradient.
       period: steps per adaptation window (the paper's ``Q``).
       band: tolerance of the adaptation around the target (the paper's 0.2).
+      axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
+        ``jax.pmap`` to average the update over; None (default) sparsifies
+        locally with no collective. With an axis the update is the mean of
+        all devices' messages, identical on every device, and the residual is
+        per device (see :func:`sidco_jax.state_specs`).
+      communication: how the messages are averaged: ``"sparse"``
+        (``all_gather`` of values and indices, then a scatter-add),
+        ``"dense"`` (``psum`` of the densified message, for fast links) or
+        ``"auto"`` (default: the one that moves fewer bytes, decided at trace
+        time; sparse exactly when ``devices x capacity < n``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the
@@ -354,4 +454,6 @@ def compress(
         error_feedback=error_feedback,
         stages=stages,
         adapt=adapt,
+        axis_name=axis_name,
+        communication=communication,
     )

@@ -1,0 +1,102 @@
+"""Averaging the devices' sparse messages over a named mesh axis.
+
+Every device holds one fixed-capacity payload for the whole model. Two ways to
+turn the payloads into the mean update, both ending replicated (invariant)
+across the axis so that parameters with ``out_specs=P()`` work under
+``jax.shard_map(check_vma=True)``:
+
+* ``"sparse"``: ``all_gather`` the values and the indices, then scatter-add
+  all ``devices x capacity`` entries into a dense zero vector. Each device
+  receives ``(devices - 1) x capacity x 8`` bytes.
+* ``"dense"``: scatter the local payload into a dense vector and ``psum`` it.
+  A ring all-reduce moves ``2 (devices - 1) / devices x 4n`` bytes per device.
+
+``"auto"`` takes the one that moves fewer bytes, decided at trace time from
+the static sizes: sparse exactly when ``devices x capacity < n``. Payloads
+whose indices are the same on every device (random-k) need only a ``psum`` of
+the values, which is always the cheapest.
+"""
+
+from typing import Any
+
+import jax
+from jax import lax
+
+from sidco_jax._src import payload as payload_lib
+
+MODES = ("auto", "sparse", "dense")
+VALUE_BYTES = 4  # float32 on the wire
+INDEX_BYTES = 4  # int32
+
+AxisName = Any  # a mesh axis name or a tuple of them
+
+
+def check_mode(mode: str) -> None:
+    """Raises ``ValueError`` unless ``mode`` is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise ValueError(f"communication must be one of {MODES}, got {mode!r}")
+
+
+def wire_bytes(mode: str, size: int, capacity: int, devices: int, shared: bool = False) -> float:
+    """Bytes one device receives to average the payloads in ``mode``.
+
+    Args:
+      mode: ``"sparse"`` or ``"dense"``.
+      size: entries of the dense vector.
+      capacity: payload slots per device.
+      devices: devices along the axis.
+      shared: whether every device's payload has the same indices.
+
+    Returns:
+      The bytes (0 on a single device).
+    """
+    if mode == "dense":
+        return 2 * (devices - 1) / devices * VALUE_BYTES * size
+    if shared:
+        return 2 * (devices - 1) / devices * VALUE_BYTES * capacity
+    return (devices - 1) * capacity * (VALUE_BYTES + INDEX_BYTES)
+
+
+def resolve(mode: str, size: int, capacity: int, devices: int, shared: bool = False) -> str:
+    """The concrete mode: ``mode`` itself, or for ``"auto"`` the one moving fewer bytes."""
+    if mode != "auto":
+        return mode
+    sparse = wire_bytes("sparse", size, capacity, devices, shared)
+    return "sparse" if sparse <= wire_bytes("dense", size, capacity, devices) else "dense"
+
+
+def message_bytes(mode: str, size: int, capacity: int, shared: bool = False) -> int:
+    """Bytes of the message one device contributes in ``mode``."""
+    if mode == "dense":
+        return VALUE_BYTES * size
+    return capacity * (VALUE_BYTES + (0 if shared else INDEX_BYTES))
+
+
+def mean(
+    payload: payload_lib.Payload, size: int, axis_name: AxisName, mode: str, shared: bool = False
+) -> jax.Array:
+    """The mean over ``axis_name`` of the densified payloads, replicated on every device.
+
+    Args:
+      payload: this device's payload (indices in ``[0, size]``, ``size`` = padding).
+      size: length of the dense vector.
+      axis_name: the mesh axis (or tuple of axes) to average over.
+      mode: ``"sparse"`` or ``"dense"`` (resolved, see :func:`resolve`).
+      shared: whether the indices are the same on every device.
+
+    Returns:
+      A float32 ``(size,)`` vector, invariant across ``axis_name``.
+    """
+    devices = lax.axis_size(axis_name)
+    if shared:
+        values = lax.psum(payload.values, axis_name)
+        return payload_lib.densify(payload._replace(values=values), size) / devices
+    if mode == "dense":
+        return lax.psum(payload_lib.densify(payload, size), axis_name) / devices
+    gathered = payload._replace(
+        values=lax.all_gather(payload.values, axis_name, to="invarying"),
+        indices=lax.all_gather(payload.indices, axis_name, to="invarying"),
+    )
+    # densify scatters into jnp.zeros: a target built with zeros_like from a
+    # varying value would make the mean varying too.
+    return payload_lib.densify(gathered, size) / devices
