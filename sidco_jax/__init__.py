@@ -4,6 +4,7 @@ The public API is flat; everything under ``sidco_jax._src`` is private.
 """
 
 from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
+from sidco_jax._src.collectives import MODES
 from sidco_jax._src.control import RULES, StageControl
 from sidco_jax._src.fits import (
     ExponentialFit,
@@ -19,8 +20,10 @@ from sidco_jax._src.fits import (
     gpareto_from_sums,
     gpareto_isf,
 )
+from sidco_jax._src.hlo import Collective, collectives
 from sidco_jax._src.metrics import metrics
 from sidco_jax._src.payload import MAX_SIZE, Payload, capacity, densify, sparsify
+from sidco_jax._src.sharding import is_residual, shard_init, state_shardings, state_specs
 from sidco_jax._src.special import gammainccinv, gammaincinv
 from sidco_jax._src.thresholds import ESTIMATORS, max_stages, threshold
 from sidco_jax._src.transform import (
@@ -38,7 +41,9 @@ __all__ = [
     "ESTIMATORS",
     "GRANULARITIES",
     "MAX_SIZE",
+    "MODES",
     "RULES",
+    "Collective",
     "CompressMetrics",
     "CompressState",
     "ExponentialFit",
@@ -48,6 +53,7 @@ __all__ = [
     "Selection",
     "StageControl",
     "capacity",
+    "collectives",
     "compress",
     "dense",
     "densify",
@@ -64,12 +70,16 @@ __all__ = [
     "gaussiank",
     "gpareto_from_sums",
     "gpareto_isf",
+    "is_residual",
     "max_stages",
     "metrics",
     "randomk",
     "redsync",
+    "shard_init",
     "sparsifier",
     "sparsify",
+    "state_shardings",
+    "state_specs",
     "threshold",
     "topk",
 ]

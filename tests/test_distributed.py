@@ -1,0 +1,305 @@
+"""Aggregation across 8 forced CPU devices under jax.shard_map and jax.pmap."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sidco_jax as sidco
+
+AXIS = "data"
+DEVICES = 8
+SHAPES = {"w": (48, 40), "b": (40,), "v": (300,)}  # 2260 float entries
+
+
+def params_tree():
+    return {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+
+
+def gradient_stream(rng, steps, identical=False):
+    """Per-device gradients, a leading device axis on every leaf.
+
+    The values are multiples of 1/64 below 4 in magnitude: sums of up to 8 of
+    them are exact in float32, so results that differ only in summation order
+    compare bit for bit.
+    """
+
+    def draw(shape):
+        if identical:
+            return np.broadcast_to(draw_one(shape), (DEVICES, *shape))
+        return draw_one((DEVICES, *shape))
+
+    def draw_one(shape):
+        return (np.round(rng.standard_t(3, size=shape) * 8) / 64).clip(-4, 4).astype(np.float32)
+
+    stream = []
+    for _ in range(steps):
+        grads = {k: draw(s) for k, s in SHAPES.items()}
+        stream.append(grads)
+    return stream
+
+
+def mesh_of(devices=DEVICES):
+    return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+
+
+def run_shard_map(tx, stream, devices=DEVICES):
+    """Updates and states of ``tx`` under shard_map; also every device's copy of each update."""
+    mesh = mesh_of(devices)
+    params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(specs, P(AXIS)),
+        out_specs=(P(), specs),
+        check_vma=True,
+    )
+    def step(state, grads):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+
+    updates, states = [], []
+    for grads in stream:
+        grads = jax.device_put(
+            jax.tree.map(lambda g: g[:devices], grads), NamedSharding(mesh, P(AXIS))
+        )
+        update, state = step(state, grads)
+        updates.append(update)
+        states.append(state)
+    return updates, states
+
+
+def run_local(tx, stream, device=0):
+    """``tx`` (without an axis) on one device's gradients, plain jit."""
+    state = tx.init(params_tree())
+    update = jax.jit(tx.update)
+    updates, states = [], []
+    for grads in stream:
+        u, state = update(jax.tree.map(lambda g: g[device], grads), state)
+        updates.append(u)
+        states.append(state)
+    return updates, states
+
+
+def copies(x: jax.Array) -> list[np.ndarray]:
+    """Every device's buffer of a (replicated) global array."""
+    return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+COMPRESSORS = {
+    "sidco-e": lambda **kw: sidco.compress(0.02, **kw),
+    "sidco-p": lambda **kw: sidco.compress(0.02, estimator="gpareto", **kw),
+    "topk": lambda **kw: sidco.topk(0.02, **kw),
+    "randomk": lambda **kw: sidco.randomk(0.02, **kw),
+}
+
+
+@pytest.mark.parametrize("communication", ["sparse", "dense"])
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_every_device_holds_bit_identical_updates_and_state(rng, name, communication):
+    kwargs = {} if name == "randomk" else {"communication": communication}
+    tx = COMPRESSORS[name](axis_name=AXIS, **kwargs)
+    updates, states = run_shard_map(tx, gradient_stream(rng, 12))
+    for update, state in zip(updates, states, strict=True):
+        for leaf in jax.tree.leaves(update):
+            first, *rest = copies(leaf)
+            for other in rest:
+                np.testing.assert_array_equal(other, first)
+        replicated = state._replace(residual=jnp.zeros(()))
+        for leaf in jax.tree.leaves(replicated):
+            first, *rest = copies(leaf)
+            for other in rest:
+                np.testing.assert_array_equal(other, first)
+    residuals = copies(states[-1].residual)
+    assert not np.array_equal(residuals[0], residuals[1])  # per device, not replicated
+    assert int(sidco.metrics(states[-1])["step"]) == 12
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_update_is_the_mean_of_what_each_device_sends(rng, name):
+    """Each device sends what the local transform would; the update is the mean."""
+    stream = gradient_stream(rng, 6)
+    updates, states = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
+    # With no feedback between devices, each device's residual follows its own gradients
+    # only while the stage count agrees, so compare step by step from the same state.
+    local = COMPRESSORS[name]()
+    for t, grads in enumerate(stream):
+        before = None if t == 0 else states[t - 1]
+        sent = []
+        for d in range(DEVICES):
+            state = local.init(params_tree())
+            if before is not None:
+                n = state.residual.shape[0]
+                state = before._replace(
+                    residual=jnp.asarray(np.asarray(before.residual)[d * n : (d + 1) * n])
+                )
+            u, _ = jax.jit(local.update)(jax.tree.map(lambda g, d=d: g[d], grads), state)
+            sent.append(u)
+        mean = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0), *sent)
+        for key in SHAPES:
+            np.testing.assert_array_equal(np.asarray(updates[t][key]), mean[key])
+
+
+@pytest.mark.parametrize("communication", ["sparse", "dense"])
+@pytest.mark.parametrize("name", ["sidco-e", "topk"])
+def test_ratio_one_equals_the_dense_mean(rng, name, communication):
+    factory = {"sidco-e": sidco.compress, "topk": sidco.topk}[name]
+    stream = gradient_stream(rng, 3)
+    got, _ = run_shard_map(factory(1.0, axis_name=AXIS, communication=communication), stream)
+    want, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
+    for g, w, grads in zip(got, want, stream, strict=True):
+        assert_trees_equal(g, w)
+        np.testing.assert_array_equal(w["w"], grads["w"].mean(axis=0))
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_one_device_equals_no_axis(rng, name):
+    stream = gradient_stream(rng, 10)
+    got, got_states = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream, devices=1)
+    want, want_states = run_local(COMPRESSORS[name](), stream)
+    assert_trees_equal(got, want)
+    assert_trees_equal(got_states[-1], want_states[-1])
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_eight_devices_with_identical_gradients_equal_one_device(rng, name):
+    stream = gradient_stream(rng, 10, identical=True)
+    got, got_states = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
+    want, want_states = run_local(COMPRESSORS[name](), stream)
+    assert_trees_equal(got, want)
+    for residual in copies(got_states[-1].residual):
+        np.testing.assert_array_equal(residual, want_states[-1].residual)
+    assert int(got_states[-1].stages) == int(want_states[-1].stages)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_pmap_and_shard_map_agree(rng, name):
+    stream = gradient_stream(rng, 8)
+    tx = COMPRESSORS[name](axis_name=AXIS)
+    want, want_states = run_shard_map(tx, stream)
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES, *jnp.shape(x))), params_tree())
+    state = jax.pmap(tx.init, axis_name=AXIS)(stacked)
+    update = jax.pmap(tx.update, axis_name=AXIS)
+    for grads, w in zip(stream, want, strict=True):
+        got, state = update(grads, state)
+        for d in range(DEVICES):
+            assert_trees_equal(jax.tree.map(lambda x, d=d: x[d], got), w)
+    n = state.residual.shape[1]
+    np.testing.assert_array_equal(
+        state.residual, np.asarray(want_states[-1].residual).reshape(-1, n)
+    )
+    assert int(state.stages[0]) == int(want_states[-1].stages)
+
+
+def test_metrics_are_global_and_the_same_on_every_device(rng):
+    stream = gradient_stream(rng, 1)
+    _, states = run_shard_map(sidco.compress(0.02, capacity_factor=1.0, axis_name=AXIS), stream)
+    m = sidco.metrics(states[0])
+    local = [
+        run_local(sidco.compress(0.02, capacity_factor=1.0), stream, d)[1][0] for d in range(8)
+    ]
+    local = [sidco.metrics(s) for s in local]
+    assert float(m["density"]) == pytest.approx(np.mean([float(x["density"]) for x in local]))
+    assert float(m["selected_density"]) == pytest.approx(
+        np.mean([float(x["selected_density"]) for x in local])
+    )
+    assert float(m["threshold"]) == pytest.approx(np.mean([float(x["threshold"]) for x in local]))
+    assert int(m["overflow"]) == sum(int(x["overflow"]) for x in local)
+    assert int(m["bytes"]) == int(local[0]["bytes"])  # one device's message
+    for value in m.values():
+        first, *rest = copies(value)
+        for other in rest:
+            np.testing.assert_array_equal(other, first)
+
+
+def test_one_nonfinite_device_stops_every_device(rng):
+    stream = gradient_stream(rng, 3)
+    stream[1]["v"][5, 17] = np.nan  # device 5 only
+    updates, states = run_shard_map(sidco.compress(0.02, axis_name=AXIS), stream)
+    assert bool(sidco.metrics(states[1])["nonfinite"])
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(updates[1]) if x.ndim)
+    np.testing.assert_array_equal(states[1].residual, states[0].residual)
+    assert int(states[1].stages) == int(states[0].stages)
+    assert not bool(sidco.metrics(states[2])["nonfinite"])
+    assert np.isfinite(np.asarray(states[2].residual)).all()
+
+
+def test_auto_communication_moves_fewer_bytes():
+    assert sidco.MODES == ("auto", "sparse", "dense")
+    from sidco_jax._src import collectives
+
+    assert collectives.resolve("auto", 10_000, 1000, 8) == "sparse"  # 8000 < 10000
+    assert collectives.resolve("auto", 10_000, 1300, 8) == "dense"
+    assert collectives.resolve("sparse", 10_000, 5000, 8) == "sparse"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"axis_name": 3}, "axis_name must be None, a mesh axis name"),
+        ({"axis_name": ()}, "axis_name must be None, a mesh axis name"),
+        ({"communication": "ring"}, "communication must be one of"),
+    ],
+)
+def test_bad_axis_options_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sidco.compress(0.01, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        sidco.topk(0.01, **kwargs)
+
+
+def _train_step(tx, mesh, n):
+    """A least-squares training step over ``n`` parameters, data-parallel over ``mesh``."""
+    params = jax.device_put(jnp.zeros(n), NamedSharding(mesh, P()))
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+    specs = sidco.state_specs(state, AXIS)
+
+    def loss(w, x):
+        return jnp.mean((x @ w - 1.0) ** 2)
+
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
+    )
+    def step(params, state, x):
+        # pcast: the gradient of replicated params would otherwise be psummed
+        # (densely) by the backward pass itself, before any compression.
+        grads = jax.grad(loss)(lax.pcast(params, AXIS, to="varying"), x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jax.device_put(jnp.ones((DEVICES, n)), NamedSharding(mesh, P(AXIS)))
+    return jax.jit(step).lower(params, state, x).compile()
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01])
+def test_compiled_step_communicates_the_payload_not_the_gradient(ratio):
+    n = 2**16
+    mesh = mesh_of()
+    for tx, cap in (
+        (sidco.compress(ratio, axis_name=AXIS), sidco.capacity(n, ratio)),
+        (sidco.topk(ratio, axis_name=AXIS), int(n * ratio)),
+    ):
+        found = sidco.collectives(_train_step(optax.chain(tx, optax.sgd(0.1)), mesh, n))
+        gathered = sum(c.operand_bytes for c in found if c.kind == "all-gather")
+        assert gathered == cap * 8  # float32 values + int32 indices
+        assert sum(c.operand_bytes for c in found) < cap * 8 + 64  # + the scalar figures
+        assert all(c.group_size == DEVICES for c in found)
+    dense = sidco.collectives(_train_step(sidco.dense(axis_name=AXIS), mesh, n))
+    assert sum(c.operand_bytes for c in dense if c.kind == "all-reduce") >= 4 * n
+    forced = sidco.compress(ratio, axis_name=AXIS, communication="dense")
+    found = sidco.collectives(_train_step(forced, mesh, n))
+    assert not any(c.kind == "all-gather" for c in found)
+    assert sum(c.operand_bytes for c in found) >= 4 * n
