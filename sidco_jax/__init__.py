@@ -4,6 +4,7 @@ The public API is flat; everything under ``sidco_jax._src`` is private.
 """
 
 from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
+from sidco_jax._src.checkpoint import ResidualWarning, restore, save
 from sidco_jax._src.collectives import MODES
 from sidco_jax._src.control import RULES, StageControl
 from sidco_jax._src.fits import (
@@ -50,6 +51,7 @@ __all__ = [
     "GParetoFit",
     "GammaFit",
     "Payload",
+    "ResidualWarning",
     "Selection",
     "StageControl",
     "capacity",
@@ -75,6 +77,8 @@ __all__ = [
     "metrics",
     "randomk",
     "redsync",
+    "restore",
+    "save",
     "shard_init",
     "sparsifier",
     "sparsify",

@@ -7,97 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import (
+    AXIS,
+    DEVICES,
+    SHAPES,
+    assert_trees_equal,
+    copies,
+    gradient_stream,
+    mesh_of,
+    params_tree,
+    run_local,
+    run_shard_map,
+)
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-
-AXIS = "data"
-DEVICES = 8
-SHAPES = {"w": (48, 40), "b": (40,), "v": (300,)}  # 2260 float entries
-
-
-def params_tree():
-    return {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-
-
-def gradient_stream(rng, steps, identical=False):
-    """Per-device gradients, a leading device axis on every leaf.
-
-    The values are multiples of 1/64 below 4 in magnitude: sums of up to 8 of
-    them are exact in float32, so results that differ only in summation order
-    compare bit for bit.
-    """
-
-    def draw(shape):
-        if identical:
-            return np.broadcast_to(draw_one(shape), (DEVICES, *shape))
-        return draw_one((DEVICES, *shape))
-
-    def draw_one(shape):
-        return (np.round(rng.standard_t(3, size=shape) * 8) / 64).clip(-4, 4).astype(np.float32)
-
-    stream = []
-    for _ in range(steps):
-        grads = {k: draw(s) for k, s in SHAPES.items()}
-        stream.append(grads)
-    return stream
-
-
-def mesh_of(devices=DEVICES):
-    return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
-
-
-def run_shard_map(tx, stream, devices=DEVICES):
-    """Updates and states of ``tx`` under shard_map; also every device's copy of each update."""
-    mesh = mesh_of(devices)
-    params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
-    state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(specs, P(AXIS)),
-        out_specs=(P(), specs),
-        check_vma=True,
-    )
-    def step(state, grads):
-        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
-
-    updates, states = [], []
-    for grads in stream:
-        grads = jax.device_put(
-            jax.tree.map(lambda g: g[:devices], grads), NamedSharding(mesh, P(AXIS))
-        )
-        update, state = step(state, grads)
-        updates.append(update)
-        states.append(state)
-    return updates, states
-
-
-def run_local(tx, stream, device=0):
-    """``tx`` (without an axis) on one device's gradients, plain jit."""
-    state = tx.init(params_tree())
-    update = jax.jit(tx.update)
-    updates, states = [], []
-    for grads in stream:
-        u, state = update(jax.tree.map(lambda g: g[device], grads), state)
-        updates.append(u)
-        states.append(state)
-    return updates, states
-
-
-def copies(x: jax.Array) -> list[np.ndarray]:
-    """Every device's buffer of a (replicated) global array."""
-    return [np.asarray(s.data) for s in x.addressable_shards]
-
-
-def assert_trees_equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-
 
 COMPRESSORS = {
     "sidco-e": lambda **kw: sidco.compress(0.02, **kw),
@@ -112,7 +38,7 @@ COMPRESSORS = {
 def test_every_device_holds_bit_identical_updates_and_state(rng, name, communication):
     kwargs = {} if name == "randomk" else {"communication": communication}
     tx = COMPRESSORS[name](axis_name=AXIS, **kwargs)
-    updates, states = run_shard_map(tx, gradient_stream(rng, 12))
+    updates, states, _ = run_shard_map(tx, gradient_stream(rng, 12))
     for update, state in zip(updates, states, strict=True):
         for leaf in jax.tree.leaves(update):
             first, *rest = copies(leaf)
@@ -132,7 +58,7 @@ def test_every_device_holds_bit_identical_updates_and_state(rng, name, communica
 def test_update_is_the_mean_of_what_each_device_sends(rng, name):
     """Each device sends what the local transform would; the update is the mean."""
     stream = gradient_stream(rng, 6)
-    updates, states = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
+    updates, states, _ = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
     # With no feedback between devices, each device's residual follows its own gradients
     # only while the stage count agrees, so compare step by step from the same state.
     local = COMPRESSORS[name]()
@@ -158,8 +84,8 @@ def test_update_is_the_mean_of_what_each_device_sends(rng, name):
 def test_ratio_one_equals_the_dense_mean(rng, name, communication):
     factory = {"sidco-e": sidco.compress, "topk": sidco.topk}[name]
     stream = gradient_stream(rng, 3)
-    got, _ = run_shard_map(factory(1.0, axis_name=AXIS, communication=communication), stream)
-    want, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
+    got, _, _ = run_shard_map(factory(1.0, axis_name=AXIS, communication=communication), stream)
+    want, _, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
     for g, w, grads in zip(got, want, stream, strict=True):
         assert_trees_equal(g, w)
         np.testing.assert_array_equal(w["w"], grads["w"].mean(axis=0))
@@ -168,7 +94,7 @@ def test_ratio_one_equals_the_dense_mean(rng, name, communication):
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_one_device_equals_no_axis(rng, name):
     stream = gradient_stream(rng, 10)
-    got, got_states = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream, devices=1)
+    got, got_states, _ = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream, devices=1)
     want, want_states = run_local(COMPRESSORS[name](), stream)
     assert_trees_equal(got, want)
     assert_trees_equal(got_states[-1], want_states[-1])
@@ -177,7 +103,7 @@ def test_one_device_equals_no_axis(rng, name):
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_eight_devices_with_identical_gradients_equal_one_device(rng, name):
     stream = gradient_stream(rng, 10, identical=True)
-    got, got_states = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
+    got, got_states, _ = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
     want, want_states = run_local(COMPRESSORS[name](), stream)
     assert_trees_equal(got, want)
     for residual in copies(got_states[-1].residual):
@@ -189,7 +115,7 @@ def test_eight_devices_with_identical_gradients_equal_one_device(rng, name):
 def test_pmap_and_shard_map_agree(rng, name):
     stream = gradient_stream(rng, 8)
     tx = COMPRESSORS[name](axis_name=AXIS)
-    want, want_states = run_shard_map(tx, stream)
+    want, want_states, _ = run_shard_map(tx, stream)
     stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES, *jnp.shape(x))), params_tree())
     state = jax.pmap(tx.init, axis_name=AXIS)(stacked)
     update = jax.pmap(tx.update, axis_name=AXIS)
@@ -206,7 +132,7 @@ def test_pmap_and_shard_map_agree(rng, name):
 
 def test_metrics_are_global_and_the_same_on_every_device(rng):
     stream = gradient_stream(rng, 1)
-    _, states = run_shard_map(sidco.compress(0.02, capacity_factor=1.0, axis_name=AXIS), stream)
+    _, states, _ = run_shard_map(sidco.compress(0.02, capacity_factor=1.0, axis_name=AXIS), stream)
     m = sidco.metrics(states[0])
     local = [
         run_local(sidco.compress(0.02, capacity_factor=1.0), stream, d)[1][0] for d in range(8)
@@ -228,7 +154,7 @@ def test_metrics_are_global_and_the_same_on_every_device(rng):
 def test_one_nonfinite_device_stops_every_device(rng):
     stream = gradient_stream(rng, 3)
     stream[1]["v"][5, 17] = np.nan  # device 5 only
-    updates, states = run_shard_map(sidco.compress(0.02, axis_name=AXIS), stream)
+    updates, states, _ = run_shard_map(sidco.compress(0.02, axis_name=AXIS), stream)
     assert bool(sidco.metrics(states[1])["nonfinite"])
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(updates[1]) if x.ndim)
     np.testing.assert_array_equal(states[1].residual, states[0].residual)

@@ -1,0 +1,112 @@
+"""Shared test set-up: per-device gradient streams and runs under shard_map or plain jit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sidco_jax as sidco
+
+AXIS = "data"
+DEVICES = 8
+SHAPES = {"w": (48, 40), "b": (40,), "v": (300,)}  # 2260 float entries
+
+
+def params_tree():
+    return {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+
+
+def gradient_stream(rng, steps, identical=False):
+    """Per-device gradients, a leading device axis on every leaf.
+
+    The values are multiples of 1/64 below 4 in magnitude: sums of up to 8 of
+    them are exact in float32, so results that differ only in summation order
+    compare bit for bit.
+    """
+
+    def draw(shape):
+        if identical:
+            return np.broadcast_to(draw_one(shape), (DEVICES, *shape))
+        return draw_one((DEVICES, *shape))
+
+    def draw_one(shape):
+        return (np.round(rng.standard_t(3, size=shape) * 8) / 64).clip(-4, 4).astype(np.float32)
+
+    stream = []
+    for _ in range(steps):
+        grads = {k: draw(s) for k, s in SHAPES.items()}
+        stream.append(grads)
+    return stream
+
+
+def mesh_of(devices=DEVICES):
+    return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+
+
+def run_shard_map(tx, stream, devices=DEVICES, start=None):
+    """``tx`` under shard_map, data-parallel over ``devices``, applied to parameters.
+
+    Args:
+      tx: the optimizer.
+      stream: per-device gradients (see :func:`gradient_stream`).
+      devices: the first ``devices`` devices form the mesh.
+      start: ``(params, opt_state)`` to continue from; default a fresh start.
+
+    Returns:
+      ``(updates, states, params)``: the update and optimizer state after
+      every step, and the final parameters (all global arrays).
+    """
+    mesh = mesh_of(devices)
+    if start is None:
+        params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
+        state = sidco.shard_init(tx, params, mesh, AXIS)
+    else:
+        params, state = start
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), specs, P(AXIS)),
+        out_specs=(P(), P(), specs),
+        check_vma=True,
+    )
+    def step(params, state, grads):
+        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+        return optax.apply_updates(params, update), update, state
+
+    updates, states = [], []
+    for grads in stream:
+        grads = jax.device_put(
+            jax.tree.map(lambda g: g[:devices], grads), NamedSharding(mesh, P(AXIS))
+        )
+        params, update, state = step(params, state, grads)
+        updates.append(update)
+        states.append(state)
+    return updates, states, params
+
+
+def run_local(tx, stream, device=0):
+    """``tx`` (without an axis) on one device's gradients, plain jit."""
+    state = tx.init(params_tree())
+    update = jax.jit(tx.update)
+    updates, states = [], []
+    for grads in stream:
+        u, state = update(jax.tree.map(lambda g: g[device], grads), state)
+        updates.append(u)
+        states.append(state)
+    return updates, states
+
+
+def copies(x: jax.Array) -> list[np.ndarray]:
+    """Every device's buffer of a (replicated) global array."""
+    return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
