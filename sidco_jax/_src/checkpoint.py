@@ -34,7 +34,7 @@ def save(path: str | os.PathLike, tree) -> None:
       path: a directory that does not exist yet.
       tree: the pytree (NamedTuple states included).
     """
-    import orbax.checkpoint as ocp  # noqa: PLC0415 (slow to import; only needed here)
+    import orbax.checkpoint as ocp  # slow to import: only here
 
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.abspath(path), tree)
@@ -64,7 +64,7 @@ def restore(path: str | os.PathLike, target):
       ValueError: if a residual's saved size is not a whole number of the
         target's per-device residuals.
     """
-    import orbax.checkpoint as ocp  # noqa: PLC0415 (slow to import; only needed here)
+    import orbax.checkpoint as ocp  # slow to import: only here
 
     path = os.path.abspath(path)
     target = jax.tree.map(_abstract, target)
