@@ -1,0 +1,76 @@
+"""jax.distributed on localhost: 2 processes x 4 CPU devices with gloo collectives."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from harness import train_least_squares
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+LIMIT = 120  # seconds: a hung job is killed, never left to block the suite
+FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out, processes=2, local_devices=4, *extra):
+    """Runs the worker in ``processes`` processes; returns their (exit code, output, seconds)."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+        JAX_PLATFORMS="cpu",
+    )
+    port, start = free_port(), time.monotonic()
+    args = [str(processes), str(port), str(out), *map(str, extra)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    results = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(LIMIT - (time.monotonic() - start), 1))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            output, _ = proc.communicate()
+            pytest.fail(f"multi-process job still running after {LIMIT} s:\n{output[-2000:]}")
+        results.append((proc.returncode, output, time.monotonic() - start))
+    return results
+
+
+def test_two_processes_of_four_devices_train_like_one_process_of_eight(tmp_path):
+    results = launch(tmp_path / "out.npz")
+    for code, output, _ in results:
+        assert code == 0, output[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    params, metrics = train_least_squares(30)  # this process: 8 devices
+    np.testing.assert_array_equal(got["params"], params)
+    for key, value in metrics.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
+
+
+@pytest.mark.parametrize("dying", [0, 1])
+def test_a_dying_process_makes_the_other_fail_with_a_clear_error(tmp_path, dying):
+    results = launch(tmp_path / "out.npz", 2, 4, dying)
+    code, output, seconds = results[1 - dying]
+    assert results[dying][0] == 17  # the worker's own crash code
+    assert code != 0
+    assert FATAL in output, output[-3000:]
+    assert seconds < 60  # heartbeat_timeout_seconds=10 in the worker
