@@ -46,7 +46,10 @@ def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.P
     indices = jnp.pad(idx.astype(jnp.int32), (0, pad), constant_values=n)
     # jnp.min, not mags[-1]: slicing top_k's output sent XLA's CPU backend down a
     # path ~30x slower (63 ms against 2 ms at n = 2^18, k = 2621).
-    payload = payload_lib.Payload(values, indices, jnp.int32(k), jnp.asarray(selected, jnp.int32))
+    # count from ``selected`` (data), not a constant: under shard_map a constant
+    # is device-invariant and lax.cond in dgc needs both branches to vary alike.
+    selected = jnp.asarray(selected, jnp.int32)
+    payload = payload_lib.Payload(values, indices, jnp.minimum(selected, k), selected)
     return payload, jnp.min(mags)
 
 
@@ -215,7 +218,10 @@ def redsync(
             too_few = count <= k
             return jnp.where(too_few, lo, t), jnp.where(too_few, t, hi), t, count
 
-        start = (jnp.float32(0), jnp.float32(1), jnp.float32(0), jnp.int32(-1))
+        # zeros_like(mean), not constants: the carry must vary across devices
+        # like the body's output does under shard_map.
+        zero = jnp.zeros_like(mean)
+        start = (zero, zero + 1, zero, jnp.zeros_like(mean, jnp.int32) - 1)
         lo, _, t, count = lax.while_loop(searching, bisect, start)
         # The last probe if it landed in the window, else the lowest bound known to pass > k.
         eta = threshold_at(jnp.where(in_window(count), t, lo))
@@ -278,7 +284,7 @@ def gaussiank(
             factor = jnp.where(done, 1.0, jnp.where(few, 0.5, jnp.where(many, 1.5, 1.0)))
             return eta * factor, done | ~(few | many)
 
-        eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.array(False)))
+        eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.zeros_like(eta, bool)))
         return Selection(
             payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
         )

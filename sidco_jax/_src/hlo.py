@@ -18,6 +18,7 @@ _ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _OP = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(" + "|".join(KINDS) + r")\(")
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_COMMENT = re.compile(r"/\*.*?\*/")  # long tuples carry /*index=5*/ markers
 
 
 class Collective(NamedTuple):
@@ -65,6 +66,7 @@ def collectives(compiled) -> list[Collective]:
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     found = []
     for line in text.splitlines():
+        line = _COMMENT.sub("", line)
         match = _OP.search(line)
         if match is None:
             continue

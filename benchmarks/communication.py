@@ -1,0 +1,132 @@
+"""Bytes per step each compressor communicates, read from the compiled HLO, and step time.
+
+Compiles one data-parallel training step of an MLP (784-1024-256-10, 1.07M
+parameters) under ``jax.shard_map`` over 8 forced CPU devices for every
+compressor, lists the collectives XLA emitted (``sidco.collectives``) and
+times the step (median over repetitions, compressors run round-robin).
+
+    python benchmarks/communication.py --ratios 0.01 0.001 --repeats 20
+"""
+
+import argparse
+import functools
+import itertools
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sidco_jax as sidco
+
+AXIS = "data"
+LAYERS = (784, 1024, 256, 10)
+PER_DEVICE = 32
+
+
+def compressors(ratio: float) -> dict:
+    return {
+        "dense": sidco.dense(axis_name=AXIS),
+        "sidco-e": sidco.compress(ratio, axis_name=AXIS),
+        "sidco-p": sidco.compress(ratio, estimator="gpareto", axis_name=AXIS),
+        "sidco-gp": sidco.compress(ratio, estimator="gamma", axis_name=AXIS),
+        "sidco-e dense psum": sidco.compress(ratio, axis_name=AXIS, communication="dense"),
+        "topk": sidco.topk(ratio, axis_name=AXIS),
+        "dgc": sidco.dgc(ratio, axis_name=AXIS),
+        "redsync": sidco.redsync(ratio, axis_name=AXIS),
+        "gaussiank": sidco.gaussiank(ratio, axis_name=AXIS),
+        "randomk": sidco.randomk(ratio, axis_name=AXIS),
+    }
+
+
+def init_params(rng):
+    return [
+        {
+            "w": rng.normal(scale=m**-0.5, size=(m, n)).astype(np.float32),
+            "b": np.zeros(n, np.float32),
+        }
+        for m, n in itertools.pairwise(LAYERS)
+    ]
+
+
+def loss(params, x, y):
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    logits = x @ params[-1]["w"] + params[-1]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def build(compressor, mesh, params):
+    tx = optax.chain(compressor, optax.sgd(0.01))
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
+    )
+    def step(params, state, x, y):
+        grads = jax.grad(loss)(jax.lax.pcast(params, AXIS, to="varying"), x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    devices = jax.device_count()
+    mesh = jax.make_mesh((devices,), (AXIS,))
+    rng = np.random.default_rng(0)
+    params = jax.device_put(init_params(rng), NamedSharding(mesh, P()))
+    n = sum(x.size for x in jax.tree.leaves(params))
+    x = jax.device_put(
+        rng.normal(size=(devices * PER_DEVICE, LAYERS[0])).astype(np.float32),
+        NamedSharding(mesh, P(AXIS)),
+    )
+    y = jax.device_put(rng.integers(0, 10, devices * PER_DEVICE), NamedSharding(mesh, P(AXIS)))
+    print(f"{n} parameters, {devices} devices, jax {jax.__version__}, {jax.devices()[0].platform}")
+
+    for ratio in args.ratios:
+        runs = {}
+        for name, compressor in compressors(ratio).items():
+            step, state = build(compressor, mesh, params)
+            found = sidco.collectives(step.lower(params, state, x, y).compile())
+            jax.block_until_ready(step(params, state, x, y))
+            runs[name] = (step, state, found, [])
+        for _ in range(args.repeats):
+            for step, state, _, times in runs.values():
+                start = time.perf_counter()
+                jax.block_until_ready(step(params, state, x, y))
+                times.append(time.perf_counter() - start)
+        dense_ms = 1e3 * np.median(runs["dense"][3])
+        print(f"\nratio {ratio}")
+        print(
+            "| compressor | collectives | bytes sent / device | bytes received / device "
+            "| / dense | step ms | / dense step |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+        dense_bytes = sum(c.operand_bytes for c in runs["dense"][2])
+        for name, (_, _, found, times) in runs.items():
+            sent = sum(c.operand_bytes for c in found)
+            got = sum(c.result_bytes for c in found)
+            kinds = ", ".join(sorted({c.kind for c in found}))
+            ms = 1e3 * np.median(times)
+            print(
+                f"| {name} | {kinds} | {sent:,} | {got:,} | {sent / dense_bytes:.4f} "
+                f"| {ms:.1f} | {ms / dense_ms:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
