@@ -15,6 +15,7 @@ from jax.scipy import special
 
 from sidco_jax._src import passes, thresholds
 from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.collectives import AxisName
 from sidco_jax._src.transform import (
     SLOT_BYTES,
     CompressState,
@@ -58,7 +59,7 @@ def topk(
     *,
     granularity: str = "model",
     error_feedback: bool = True,
-    axis_name=None,
+    axis_name: AxisName | None = None,
     communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
@@ -105,7 +106,7 @@ def dgc(
     granularity: str = "model",
     error_feedback: bool = True,
     seed: int = 0,
-    axis_name=None,
+    axis_name: AxisName | None = None,
     communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
@@ -167,7 +168,7 @@ def redsync(
     tolerance: float = 1e-3,
     granularity: str = "model",
     error_feedback: bool = True,
-    axis_name=None,
+    axis_name: AxisName | None = None,
     communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
@@ -245,7 +246,7 @@ def gaussiank(
     capacity_factor: float = 4 / 3,
     granularity: str = "model",
     error_feedback: bool = True,
-    axis_name=None,
+    axis_name: AxisName | None = None,
     communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
@@ -305,7 +306,7 @@ def randomk(
     granularity: str = "model",
     error_feedback: bool = True,
     seed: int = 0,
-    axis_name=None,
+    axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k: ``k`` random entries, the same on every device.
 
@@ -353,7 +354,7 @@ def randomk(
     )
 
 
-def dense(*, axis_name=None) -> optax.GradientTransformationExtraArgs:
+def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
     """No compression: the plain mean of the gradient over ``axis_name``.
 
     Args:

@@ -14,6 +14,7 @@ that mean (so the new mean equals the old), with a :class:`ResidualWarning`.
 
 import os
 import warnings
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,7 +26,7 @@ class ResidualWarning(UserWarning):
     """A restore changed the number of devices and redistributed the residuals."""
 
 
-def save(path: str | os.PathLike, tree) -> None:
+def save(path: str | os.PathLike, tree: Any) -> None:
     """Saves a pytree of (sharded) arrays, for example ``{"params": ..., "opt_state": ...}``.
 
     Every process of a multi-process run must call it with the same path.
@@ -46,7 +47,7 @@ def _abstract(leaf):
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
 
 
-def restore(path: str | os.PathLike, target):
+def restore(path: str | os.PathLike, target: Any) -> Any:
     """Restores a checkpoint written by :func:`save` with the shardings of ``target``.
 
     Args:

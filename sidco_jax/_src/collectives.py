@@ -17,8 +17,6 @@ whose indices are the same on every device (random-k) need only a ``psum`` of
 the values, which is always the cheapest.
 """
 
-from typing import Any
-
 import jax
 from jax import lax
 
@@ -28,7 +26,7 @@ MODES = ("auto", "sparse", "dense")
 VALUE_BYTES = 4  # float32 on the wire
 INDEX_BYTES = 4  # int32
 
-AxisName = Any  # a mesh axis name or a tuple of them
+AxisName = str | tuple[str, ...]  # a mesh axis name or a tuple of them
 
 
 def check_mode(mode: str) -> None:

@@ -9,7 +9,7 @@ check the claim instead of trusting a formula.
 
 import math
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
@@ -45,7 +45,7 @@ def _bytes(result_type: str) -> int:
     return total
 
 
-def collectives(compiled) -> list[Collective]:
+def collectives(compiled: Any) -> list[Collective]:
     """The cross-device collectives of a compiled computation.
 
     Args:

@@ -7,11 +7,14 @@ one global array the residuals of ``d`` devices are a ``(d * n,)`` vector
 sharded along the axis: device ``i`` holds entries ``[i * n, (i + 1) * n)``.
 """
 
+from typing import Any
+
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sidco_jax._src.collectives import AxisName
 from sidco_jax._src.transform import CompressState
 
 
@@ -19,7 +22,7 @@ def _is_state(node) -> bool:
     return isinstance(node, CompressState)
 
 
-def is_residual(opt_state: optax.OptState):
+def is_residual(opt_state: optax.OptState) -> Any:
     """A tree like ``opt_state`` with True at every per-device residual leaf.
 
     Args:
@@ -38,7 +41,7 @@ def is_residual(opt_state: optax.OptState):
     return jax.tree.map(mark, opt_state, is_leaf=_is_state)
 
 
-def state_specs(opt_state: optax.OptState, axis_name) -> optax.OptState:
+def state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """Partition specs for a whole optax state containing sidco_jax states.
 
     The residual of every :class:`~sidco_jax.CompressState` is per device
@@ -62,13 +65,17 @@ def state_specs(opt_state: optax.OptState, axis_name) -> optax.OptState:
     return jax.tree.map(lambda residual: P(axis_name) if residual else P(), is_residual(opt_state))
 
 
-def state_shardings(opt_state: optax.OptState, mesh: Mesh, axis_name) -> optax.OptState:
+def state_shardings(opt_state: optax.OptState, mesh: Mesh, axis_name: AxisName) -> Any:
     """``NamedSharding`` on ``mesh`` for every leaf of ``opt_state`` (see :func:`state_specs`)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(opt_state, axis_name))
 
 
 def shard_init(
-    tx: optax.GradientTransformation, params, mesh: Mesh, axis_name, param_specs=None
+    tx: optax.GradientTransformation,
+    params: optax.Params,
+    mesh: Mesh,
+    axis_name: AxisName,
+    param_specs: Any = None,
 ) -> optax.OptState:
     """``tx.init(params)`` on every device of ``mesh``, as global sharded arrays.
 

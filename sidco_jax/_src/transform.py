@@ -230,7 +230,7 @@ def sparsifier(
     stages: int = 0,
     adapt: Callable | None = None,
     seed: int = 0,
-    axis_name=None,
+    axis_name: collectives.AxisName | None = None,
     communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
@@ -354,7 +354,7 @@ def compress(
     error_feedback: bool = True,
     period: int = 5,
     band: float = 0.2,
-    axis_name=None,
+    axis_name: collectives.AxisName | None = None,
     communication: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
