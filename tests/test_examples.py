@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import pathlib
 import pickle
 
 import numpy as np
@@ -10,6 +11,8 @@ import pytest
 from examples.cnn import input_pipeline
 from examples.cnn import main as cnn_main
 from examples.common import parallel
+from examples.lm import input_pipeline as text_pipeline
+from examples.lm import main as lm_main
 
 
 def test_cnn_trains_with_sidco_and_dense_and_writes_its_report(tmp_path):
@@ -94,3 +97,43 @@ def test_loaders_reject_missing_or_malformed_data(tmp_path, dataset, setup, erro
             (path / name).write_bytes(raw[:-2])
     with pytest.raises(error, match=message):
         input_pipeline.load(dataset, path)
+
+
+ENGLISH = pathlib.Path(__file__).parent.parent / "docs" / "algorithm.md"  # real English prose
+
+
+def test_lm_trains_on_a_text_file_and_reports_perplexity(tmp_path):
+    histories = lm_main.main(
+        ["--config", "tiny", "--workdir", str(tmp_path), "--text", str(ENGLISH)]
+    )
+    vocab = len(set(ENGLISH.read_text(encoding="utf-8")[:20_000]))
+    for h in histories:
+        assert h.eval_steps == [3]
+        assert 1.0 < h.evals[0] < 2 * vocab  # near-uniform at the start: about the vocabulary size
+    assert histories[0].bytes_per_step < histories[1].bytes_per_step / 5
+    assert json.loads((tmp_path / "results.json").read_text())["metric"] == "perplexity"
+    assert (tmp_path / "perplexity.png").is_file()
+    assert np.load(tmp_path / "gradients_sidco-e.npz")["grad_step2"].size == histories[0].parameters
+
+
+@pytest.mark.parametrize(
+    ("content", "error", "message"),
+    [
+        (None, FileNotFoundError, "does not exist"),
+        (b"\xff\xfe not utf-8 \xff", ValueError, "is not UTF-8 text"),
+        (b"too short", ValueError, "at least 1000 are needed"),
+    ],
+)
+def test_text_loader_rejects_missing_or_malformed_files(tmp_path, content, error, message):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(error, match=message):
+        text_pipeline.load(str(path))
+
+
+def test_text_is_split_into_train_and_validation_tokens():
+    text = text_pipeline.load(str(ENGLISH))
+    raw = ENGLISH.read_text(encoding="utf-8")
+    assert len(text.train) + len(text.valid) == len(raw)
+    assert "".join(text.vocab[i] for i in text.train[:50]) == raw[:50]

@@ -12,16 +12,20 @@ import sys
 import typing
 
 
-def _flag(parser: argparse.ArgumentParser, field: dataclasses.Field, default) -> None:
+def _kind(annotation):
+    """The element type of ``int``, ``int | None`` or ``tuple[int, ...]``."""
+    args = [a for a in typing.get_args(annotation) if a not in (type(None), Ellipsis)]
+    return args[0] if args else annotation
+
+
+def _flag(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
     name = "--" + field.name.replace("_", "-")
-    if isinstance(default, bool):
+    if field.type is bool:
         parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None)
-    elif isinstance(default, tuple):
-        kind = typing.get_args(field.type)[0] if typing.get_args(field.type) else str
-        parser.add_argument(name, nargs="+", type=kind, default=None)
+    elif typing.get_origin(field.type) is tuple:
+        parser.add_argument(name, nargs="+", type=_kind(field.type), default=None)
     else:
-        kind = type(default) if default is not None else str
-        parser.add_argument(name, type=kind, default=None)
+        parser.add_argument(name, type=_kind(field.type), default=None)
 
 
 def parse(configs: str, argv=None, description: str = ""):
@@ -40,7 +44,7 @@ def parse(configs: str, argv=None, description: str = ""):
     parser = argparse.ArgumentParser(description=description, parents=[pre])
     parser.add_argument("--workdir", default=None, help="where results and plots go")
     for field in dataclasses.fields(config):
-        _flag(parser, field, getattr(config, field.name))
+        _flag(parser, field)
     args = parser.parse_args(argv)
     changes = {
         f.name: tuple(v) if isinstance(v, list) else v
