@@ -21,6 +21,7 @@ def main(process_id: int, processes: int, port: int, out: str, dying: int = -1) 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         f"127.0.0.1:{port}",
+        coordinator_bind_address=f"127.0.0.1:{port}",  # loopback only, not every interface
         num_processes=processes,
         process_id=process_id,
         initialization_timeout=60,

@@ -31,26 +31,30 @@ def launch(out, processes=2, local_devices=4, *extra):
     )
     port, start = free_port(), time.monotonic()
     args = [str(processes), str(port), str(out), *map(str, extra)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(processes)
-    ]
+    # Output goes to files, not pipes: a pipe nobody drains could block a worker.
+    logs = [pathlib.Path(out).with_name(f"process{i}.log") for i in range(processes)]
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as sink:  # the child keeps its own copy of the descriptor
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(i), *args],
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     results = []
-    for proc in procs:
+    for proc, log in zip(procs, logs, strict=True):
         try:
-            output, _ = proc.communicate(timeout=max(LIMIT - (time.monotonic() - start), 1))
+            proc.wait(timeout=max(LIMIT - (time.monotonic() - start), 1))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            output, _ = proc.communicate()
-            pytest.fail(f"multi-process job still running after {LIMIT} s:\n{output[-2000:]}")
-        results.append((proc.returncode, output, time.monotonic() - start))
+            pytest.fail(
+                f"multi-process job still running after {LIMIT} s:\n{log.read_text()[-2000:]}"
+            )
+        results.append((proc.returncode, log.read_text(), time.monotonic() - start))
     return results
 
 
