@@ -137,3 +137,10 @@ def test_text_is_split_into_train_and_validation_tokens():
     raw = ENGLISH.read_text(encoding="utf-8")
     assert len(text.train) + len(text.valid) == len(raw)
     assert "".join(text.vocab[i] for i in text.train[:50]) == raw[:50]
+
+
+def test_the_bundled_text_is_english_prose_shipped_offline():
+    text = text_pipeline.load()
+    assert len(text.train) > 400_000 and text.source.startswith("CPython")
+    words = "".join(text.vocab[i] for i in text.train[:20_000]).lower().split()
+    assert sum(w in {"the", "of", "and", "is", "a", "to"} for w in words) > 0.05 * len(words)

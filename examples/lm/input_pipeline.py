@@ -1,4 +1,4 @@
-"""Text for the language model: a corpus that ships inside a package, or a file the user gives.
+"""Text for the language model: English prose that ships with Python, or a file the user gives.
 
 Characters are the tokens: any UTF-8 text works, with no tokenizer to download.
 """
@@ -28,8 +28,16 @@ class Text(NamedTuple):
 
 
 def bundled_text() -> tuple[str, str]:
-    """The English corpus shipped inside an installed package, and its description."""
-    raise NotImplementedError
+    """English prose that ships with every CPython, and its description.
+
+    ``pydoc_data.topics`` holds the Python language reference's topics
+    (``help("FOR")`` and the like): about 465,000 characters of English
+    technical prose, in the standard library, so it is there offline.
+    """
+    from pydoc_data import topics
+
+    text = "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+    return text, "CPython's pydoc_data.topics (the language reference)"
 
 
 def load(source: str = BUNDLED, limit: int | None = None) -> Text:

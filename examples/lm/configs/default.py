@@ -1,4 +1,4 @@
-"""Default LM configuration: the bundled English corpus, 8 CPU devices, SIDCo-E and dense."""
+"""Default LM configuration: the bundled English text, 8 CPU devices, SIDCo-E and dense."""
 
 import dataclasses
 
