@@ -70,6 +70,15 @@ def test_cifar10_batches_are_read_from_the_given_directory(tmp_path, rng):
     assert data.train_x.shape == (20, 32, 32, 3) and data.test_y.tolist() == [0, 1, 2, 3]
 
 
+def test_mnist_sample_ships_inside_a_wheel():
+    data = input_pipeline.load("mnist5k")
+    assert data.train_x.shape == (4000, 28, 28, 1) and data.test_x.shape == (1000, 28, 28, 1)
+    counts = np.bincount(np.concatenate([data.train_y, data.test_y]))
+    np.testing.assert_array_equal(counts, np.full(10, 500))  # 500 a class, none lost in the split
+    assert set(np.unique(data.test_y)) == set(range(10))
+    assert abs(float(data.train_x.mean())) < 1e-5 and data.train_x.std() == pytest.approx(1, 1e-4)
+
+
 @pytest.mark.parametrize(
     ("dataset", "setup", "error", "message"),
     [

