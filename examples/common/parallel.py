@@ -20,23 +20,28 @@ import sidco_jax as sidco
 
 AXIS = "data"
 COMPRESSORS = {
-    "dense": lambda ratio: sidco.dense(axis_name=AXIS),
-    "sidco-e": lambda ratio: sidco.compress(ratio, estimator="exponential", axis_name=AXIS),
-    "sidco-p": lambda ratio: sidco.compress(ratio, estimator="gpareto", axis_name=AXIS),
-    "sidco-gp": lambda ratio: sidco.compress(ratio, estimator="gamma", axis_name=AXIS),
-    "topk": lambda ratio: sidco.topk(ratio, axis_name=AXIS),
-    "dgc": lambda ratio: sidco.dgc(ratio, axis_name=AXIS),
-    "gaussiank": lambda ratio: sidco.gaussiank(ratio, axis_name=AXIS),
-    "redsync": lambda ratio: sidco.redsync(ratio, axis_name=AXIS),
-    "randomk": lambda ratio: sidco.randomk(ratio, axis_name=AXIS),
+    "dense": lambda ratio, axis: sidco.dense(axis_name=axis),
+    "sidco-e": lambda ratio, axis: sidco.compress(ratio, estimator="exponential", axis_name=axis),
+    "sidco-p": lambda ratio, axis: sidco.compress(ratio, estimator="gpareto", axis_name=axis),
+    "sidco-gp": lambda ratio, axis: sidco.compress(ratio, estimator="gamma", axis_name=axis),
+    "topk": lambda ratio, axis: sidco.topk(ratio, axis_name=axis),
+    "dgc": lambda ratio, axis: sidco.dgc(ratio, axis_name=axis),
+    "gaussiank": lambda ratio, axis: sidco.gaussiank(ratio, axis_name=axis),
+    "redsync": lambda ratio, axis: sidco.redsync(ratio, axis_name=axis),
+    "randomk": lambda ratio, axis: sidco.randomk(ratio, axis_name=axis),
 }
 
 
-def compressor(name: str, ratio: float) -> optax.GradientTransformation:
-    """The compressor called ``name`` (see :data:`COMPRESSORS`) averaging over the data axis."""
+def compressor(
+    name: str, ratio: float, axis_name: str | None = AXIS
+) -> optax.GradientTransformation:
+    """The compressor called ``name`` (see :data:`COMPRESSORS`) averaging over ``axis_name``.
+
+    ``axis_name=None`` gives the same compressor on one device, with no communication.
+    """
     if name not in COMPRESSORS:
         raise ValueError(f"compressor must be one of {sorted(COMPRESSORS)}, got {name!r}")
-    return COMPRESSORS[name](ratio)
+    return COMPRESSORS[name](ratio, axis_name)
 
 
 class Trainer(NamedTuple):
