@@ -11,6 +11,12 @@ the example trainers captured (``--capture-steps``; npz files given with
 ``--gradients``), then the median per compressor and ratio:
 
     python benchmarks/quality.py --compressors --gradients runs/cnn/gradients_dense.npz
+
+Medians are also given per group of vectors: the synthetic laws, and each
+trainer's gradients early (its first captured step) and late (its last).
+``--runs`` adds the along-a-run view from the trainers' ``results.json``: the
+median achieved/target over all steps under error feedback, and the share of
+steps within [0.5, 2] x target. ``--plot`` draws the spread per compressor.
 """
 
 import argparse
@@ -61,6 +67,96 @@ def captured(paths: list[Path]) -> dict[str, np.ndarray]:
     return vectors
 
 
+def group(name: str, steps: dict[str, list[int]]) -> str:
+    """``synthetic`` for a law, else ``<trainer> early`` / ``<trainer> late`` by capture step."""
+    if ":" not in name:
+        return "synthetic"
+    file, key = name.split(":")
+    trainer = file.split("/")[0].split("_")[0]
+    step = int(key.split("step")[1])
+    return f"{trainer} {'early' if step == min(steps[file]) else 'late'}"
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Median achieved/target per ratio, group of vectors (and all of them), and compressor."""
+    steps: dict[str, list[int]] = {}
+    for name in {r["gradient"] for r in rows if ":" in r["gradient"]}:
+        file, key = name.split(":")
+        steps.setdefault(file, []).append(int(key.split("step")[1]))
+    out = []
+    for ratio in dict.fromkeys(r["ratio"] for r in rows):
+        mine = [r for r in rows if r["ratio"] == ratio]
+        groups = {"all": mine}
+        for r in mine:
+            groups.setdefault(group(r["gradient"], steps), []).append(r)
+        for label, members in groups.items():
+            values = [m["achieved_over_target"] for m in members]
+            median = {k: float(np.median([v[k] for v in values])) for k in values[0]}
+            out.append({"ratio": ratio, "group": label, "vectors": len(values), "median": median})
+    return out
+
+
+def print_medians(table: list[dict]) -> None:
+    names = list(table[0]["median"])
+    print("\n| ratio | vectors | " + " | ".join(names) + " |")
+    print("|---|---|" + "---:|" * len(names))
+    for row in table:
+        cells = " | ".join(f"{row['median'][k]:.2f}" for k in names)
+        print(f"| {row['ratio']:g} | {row['group']} ({row['vectors']}) | {cells} |")
+
+
+def along_runs(paths: list[Path]) -> list[dict]:
+    """Achieved/target along the trainers' runs under error feedback (their results.json)."""
+    out = []
+    for path in paths:
+        record = json.loads(path.read_text())
+        for run in record["runs"]:
+            if run["compressor"] == "dense":
+                continue
+            achieved = np.asarray(run["achieved"])
+            out.append(
+                {
+                    "run": path.parent.name,
+                    "ratio": record["config"]["ratio"],
+                    "compressor": run["compressor"],
+                    "median": float(np.median(achieved)),
+                    "within_half_double": float(np.mean((achieved >= 0.5) & (achieved <= 2))),
+                }
+            )
+    print("\n| run | ratio | compressor | median sent/target | steps in [0.5, 2] |")
+    print("|---|---:|---|---:|---:|")
+    for r in out:
+        print(
+            f"| {r['run']} | {r['ratio']:g} | {r['compressor']} | {r['median']:.2f} | "
+            f"{r['within_half_double']:.0%} |"
+        )
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Achieved/target of every compressor over all vectors, one panel per ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = list(dict.fromkeys(r["ratio"] for r in rows))
+    names = list(rows[0]["achieved_over_target"])
+    figure, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 4.5), squeeze=False)
+    for axis, ratio in zip(axes[0], ratios, strict=True):
+        values = [
+            [r["achieved_over_target"][k] for r in rows if r["ratio"] == ratio] for k in names
+        ]
+        axis.boxplot(values, showfliers=True)
+        axis.set_xticks(range(1, len(names) + 1), names, rotation=60, fontsize=8)
+        axis.axhspan(0.9, 1.1, color="green", alpha=0.15)
+        axis.set(yscale="log", title=f"ratio {ratio:g}", ylabel="selected / target density")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def compare(vectors: dict[str, np.ndarray], ratios: list[float]) -> list[dict]:
     """achieved / target of every compressor's selection on every vector; prints tables."""
     rows = []
@@ -91,12 +187,19 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/quality.json"))
     parser.add_argument("--compressors", action="store_true", help="compare every compressor")
     parser.add_argument("--gradients", type=Path, nargs="*", default=[], help="captured npz files")
+    parser.add_argument("--runs", type=Path, nargs="*", default=[], help="trainers' results.json")
+    parser.add_argument("--plot", type=Path, help="PNG of the spread per compressor")
     args = parser.parse_args(argv)
     if args.compressors:
         vectors = {**laws(2**args.log2_n, args.seed), **captured(args.gradients)}
         rows = compare(vectors, args.ratios)
+        table = medians(rows)
+        print_medians(table)
+        runs = along_runs(args.runs) if args.runs else []
+        if args.plot:
+            plot(rows, args.plot)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "medians": table, "runs": runs}, indent=2))
         return rows
 
     eta_of = jax.jit(sidco.threshold, static_argnames=("estimator",))

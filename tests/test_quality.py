@@ -1,0 +1,58 @@
+"""benchmarks/quality.py: grouping of captured gradients and the along-a-run summary."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import quality  # noqa: E402
+
+
+def test_captured_gradients_are_grouped_early_and_late(tmp_path, rng):
+    folder = tmp_path / "lm_0.01"
+    folder.mkdir()
+    vector = rng.standard_t(3, 4096)
+    np.savez(folder / "gradients_dense.npz", grad_step1=vector, grad_step600=vector / 10)
+    out = tmp_path / "quality.json"
+    argv = ["--compressors", "--log2-n", "12", "--ratios", "0.1", "--json", str(out)]
+    quality.main([*argv, "--gradients", str(folder / "gradients_dense.npz")])
+    record = json.loads(out.read_text())
+    groups = {m["group"]: m for m in record["medians"]}
+    assert {g: m["vectors"] for g, m in groups.items()} == {
+        "all": 6,
+        "synthetic": 4,
+        "lm early": 1,
+        "lm late": 1,
+    }
+    for m in groups.values():  # top-k selects exactly its k of every vector
+        assert m["median"]["topk"] == pytest.approx(1.0, abs=1 / 409)
+    # A scaled vector has the same relative threshold: early and late agree for every method.
+    early, late = groups["lm early"]["median"], groups["lm late"]["median"]
+    for name in early:
+        assert late[name] == pytest.approx(early[name], rel=0.02), name
+
+
+def test_along_a_run_reports_median_and_share_within_half_and_double(tmp_path):
+    run = tmp_path / "cnn_0.001"
+    run.mkdir()
+    achieved = [0.1, 0.6, 1.0, 1.9, 3.0]
+    record = {
+        "config": {"ratio": 0.001},
+        "runs": [
+            {"compressor": "dense", "achieved": [1.0] * 5},
+            {"compressor": "sidco-e", "achieved": achieved},
+        ],
+    }
+    (run / "results.json").write_text(json.dumps(record))
+    (row,) = quality.along_runs([run / "results.json"])
+    assert row == {
+        "run": "cnn_0.001",
+        "ratio": 0.001,
+        "compressor": "sidco-e",
+        "median": 1.0,
+        "within_half_double": 0.6,
+    }
