@@ -92,7 +92,15 @@ def medians(rows: list[dict]) -> list[dict]:
         for label, members in groups.items():
             values = [m["achieved_over_target"] for m in members]
             median = {k: float(np.median([v[k] for v in values])) for k in values[0]}
-            out.append({"ratio": ratio, "group": label, "vectors": len(values), "median": median})
+            # Typical miss of one selection, either way: median |log2(achieved / target)|.
+            error = {
+                k: float(np.median([abs(np.log2(max(v[k], 1e-9))) for v in values]))
+                for k in values[0]
+            }
+            out.append(
+                {"ratio": ratio, "group": label, "vectors": len(values), "median": median}
+                | {"log2_error": error}
+            )
     return out
 
 
@@ -103,6 +111,14 @@ def print_medians(table: list[dict]) -> None:
     for row in table:
         cells = " | ".join(f"{row['median'][k]:.2f}" for k in names)
         print(f"| {row['ratio']:g} | {row['group']} ({row['vectors']}) | {cells} |")
+    print("\nmedian |log2(achieved / target)| over all vectors (0 is exact, 1 is 2x off)")
+    print("\n| ratio | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    for row in (r for r in table if r["group"] == "all"):
+        print(
+            f"| {row['ratio']:g} | "
+            + " | ".join(f"{row['log2_error'][k]:.2f}" for k in names)
+            + " |"
+        )
 
 
 def along_runs(paths: list[Path]) -> list[dict]:
