@@ -60,10 +60,10 @@ def worker(spec: dict) -> None:
     config = importlib.import_module(f"examples.{model}.configs.{name}").get_config()
     task = importlib.import_module(f"examples.{model}.train").task(config)
     counter = pathlib.Path(f"/sys/class/net/{spec['device']}/statistics/tx_bytes")
-    rows = [
-        _measure(task, config, compressor, ratio, spec["steps"], counter)
-        for compressor, ratio in spec["runs"]
-    ]
+    rows = []
+    for compressor, ratio in spec["runs"]:
+        rows.append(_measure(task, config, compressor, ratio, spec["steps"], counter))
+        print(f"{compressor} {ratio}: {rows[-1]['step_ms']:.0f} ms/step", flush=True)  # to the log
     traces = [
         _train(task, config, compressor, spec["target_ratio"], spec["target_steps"])
         for compressor in spec["target_compressors"]
