@@ -79,15 +79,15 @@ def _median(times: list[float]) -> float:
     return float(np.median(times)) * 1e3
 
 
-def _timed(fn, *args, repeats: int) -> tuple[list[float], object]:
+def _timed(fn, *args, repeats: int) -> list[float]:
     import jax
 
-    times, out = [], None
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return times, out
+    return times
 
 
 def _optimizer(compressor: str, ratio: float, config, axis_name):
@@ -149,8 +149,8 @@ def _measure(task, config, compressor: str, ratio: float, steps: int, counter) -
     state = tx.init(local_params)
     _timed(gradient, local_params, local, repeats=2)
     _timed(local_step, local_params, state, local, repeats=2)
-    compute = _median(_timed(gradient, local_params, local, repeats=steps)[0])
-    alone = _median(_timed(local_step, local_params, state, local, repeats=steps)[0])
+    compute = _median(_timed(gradient, local_params, local, repeats=steps))
+    alone = _median(_timed(local_step, local_params, state, local, repeats=steps))
     step = _median(step_times)
     return {
         "compressor": compressor,
