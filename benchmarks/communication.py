@@ -2,7 +2,7 @@
 
 Compiles one data-parallel training step of an MLP (784-1024-256-10, 1.07M
 parameters) under ``jax.shard_map`` over 8 forced CPU devices for every
-compressor, lists the collectives XLA emitted (``sidco.collectives``) and
+compressor, lists the collectives XLA emitted (``sidco.hlo_collectives``) and
 times the step (median over repetitions, compressors run round-robin).
 
     python benchmarks/communication.py --ratios 0.01 0.001 --repeats 20
@@ -31,18 +31,12 @@ PER_DEVICE = 32
 
 
 def compressors(ratio: float) -> dict:
-    return {
-        "dense": sidco.dense(axis_name=AXIS),
-        "sidco-e": sidco.compress(ratio, axis_name=AXIS),
-        "sidco-p": sidco.compress(ratio, estimator="gpareto", axis_name=AXIS),
-        "sidco-gp": sidco.compress(ratio, estimator="gamma", axis_name=AXIS),
-        "sidco-e dense psum": sidco.compress(ratio, axis_name=AXIS, communication="dense"),
-        "topk": sidco.topk(ratio, axis_name=AXIS),
-        "dgc": sidco.dgc(ratio, axis_name=AXIS),
-        "redsync": sidco.redsync(ratio, axis_name=AXIS),
-        "gaussiank": sidco.gaussiank(ratio, axis_name=AXIS),
-        "randomk": sidco.randomk(ratio, axis_name=AXIS),
-    }
+    """Every registered compressor, and SIDCo-E forced to a dense psum."""
+    out = {name: sidco.compressor(name, ratio, axis_name=AXIS) for name in sidco.COMPRESSORS}
+    out["sidco-e dense psum"] = sidco.compressor(
+        "sidco-e", ratio, axis_name=AXIS, communication="dense"
+    )
+    return out
 
 
 def init_params(rng):
@@ -101,7 +95,7 @@ def main() -> None:
         runs = {}
         for name, compressor in compressors(ratio).items():
             step, state = build(compressor, mesh, params)
-            found = sidco.collectives(step.lower(params, state, x, y).compile())
+            found = sidco.hlo_collectives(step.lower(params, state, x, y).compile())
             jax.block_until_ready(step(params, state, x, y))
             runs[name] = (step, state, found, [])
         for _ in range(args.repeats):

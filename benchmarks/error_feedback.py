@@ -112,7 +112,7 @@ PROBLEMS = {
 
 def settings(ratio: float) -> dict:
     out = {"dense": sidco.dense()}
-    for name, estimator in (("E", "exponential"), ("P", "gpareto"), ("GP", "gamma")):
+    for name, estimator in (("e", "exponential"), ("p", "gpareto"), ("gp", "gamma")):
         for m in (1, 3):
             out[f"sidco-{name} M={m}"] = sidco.compress(
                 ratio, estimator=estimator, stages=m, adaptation=None
@@ -122,8 +122,9 @@ def settings(ratio: float) -> dict:
                 out[f"sidco-{name} {rule} from {start}"] = sidco.compress(
                     ratio, estimator=estimator, stages=start, adaptation=rule
                 )
-    for name in ("topk", "dgc", "gaussiank", "redsync", "randomk"):
-        out[name] = getattr(sidco, name)(ratio)
+    for name in sidco.COMPRESSORS:
+        if not name.startswith("sidco") and name != "dense":
+            out[name] = sidco.compressor(name, ratio)
     return out
 
 

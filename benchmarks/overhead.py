@@ -63,21 +63,10 @@ def methods(n: int, ratio: float, stages: list[int], factor: float) -> dict:
 
 def transforms(ratio: float) -> dict:
     """Jitted ``update`` of every compressor on a flat gradient, state included."""
-    factories = {
-        "dense": lambda: sidco.dense(),
-        "top_k": lambda: sidco.topk(ratio),
-        "dgc": lambda: sidco.dgc(ratio),
-        "redsync": lambda: sidco.redsync(ratio),
-        "gaussiank": lambda: sidco.gaussiank(ratio),
-        "randomk": lambda: sidco.randomk(ratio),
-    }
-    for name, estimator in VARIANTS.items():
-        factories[name] = lambda e=estimator: sidco.compress(ratio, estimator=e)
     out = {}
-    for name, make in factories.items():
-        tx = make()
-        update = jax.jit(tx.update)
-        out[name] = (update, tx.init)
+    for name in sidco.COMPRESSORS:
+        tx = sidco.compressor(name, ratio)
+        out["top_k" if name == "topk" else name] = (jax.jit(tx.update), tx.init)
     return out
 
 

@@ -42,19 +42,15 @@ def laws(n: int, seed: int) -> dict[str, np.ndarray]:
 
 def compressors(ratio: float) -> dict:
     """Every compressor without error feedback: one step from a fresh state."""
-    one = {"stages": 1, "adaptation": None, "error_feedback": False}
-    return {
-        "sidco-e M=1": sidco.compress(ratio, **one),
-        "sidco-e": sidco.compress(ratio, error_feedback=False),
-        "sidco-p M=1": sidco.compress(ratio, estimator="gpareto", **one),
-        "sidco-p": sidco.compress(ratio, estimator="gpareto", error_feedback=False),
-        "sidco-gp M=1": sidco.compress(ratio, estimator="gamma", **one),
-        "sidco-gp": sidco.compress(ratio, estimator="gamma", error_feedback=False),
-        "dgc": sidco.dgc(ratio, error_feedback=False),
-        "gaussiank": sidco.gaussiank(ratio, error_feedback=False),
-        "redsync": sidco.redsync(ratio, error_feedback=False),
-        "topk": sidco.topk(ratio, error_feedback=False),
-    }
+    one = {"stages": 1, "adaptation": None}
+    out = {}
+    for name in sidco.COMPRESSORS:
+        if name in ("dense", "randomk"):  # no threshold to judge
+            continue
+        if name.startswith("sidco"):
+            out[f"{name} M=1"] = sidco.compressor(name, ratio, error_feedback=False, **one)
+        out[name] = sidco.compressor(name, ratio, error_feedback=False)
+    return out
 
 
 def captured(paths: list[Path]) -> dict[str, np.ndarray]:

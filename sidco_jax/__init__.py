@@ -1,44 +1,40 @@
 """sidco_jax: SIDCo statistical gradient compression for JAX.
 
-The public API is flat; everything under ``sidco_jax._src`` is private.
+The public API is flat; the distribution fits and quantiles live in
+:mod:`sidco_jax.stats`; everything under ``sidco_jax._src`` is private.
 """
 
-from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
-from sidco_jax._src.checkpoint import ResidualWarning, restore, save
-from sidco_jax._src.collectives import MODES
-from sidco_jax._src.control import RULES, StageControl
-from sidco_jax._src.fits import (
-    ExponentialFit,
-    GammaFit,
-    GParetoFit,
-    exponential_from_sums,
-    exponential_isf,
-    fit_exponential,
-    fit_gamma,
-    fit_gpareto,
-    gamma_from_sums,
-    gamma_isf,
-    gpareto_from_sums,
-    gpareto_isf,
-)
-from sidco_jax._src.hlo import Collective, collectives
-from sidco_jax._src.metrics import metrics
-from sidco_jax._src.payload import MAX_SIZE, Payload, capacity, densify, sparsify
-from sidco_jax._src.sharding import is_residual, shard_init, state_shardings, state_specs
-from sidco_jax._src.special import gammainccinv, gammaincinv
-from sidco_jax._src.thresholds import ESTIMATORS, max_stages, threshold
-from sidco_jax._src.transform import (
+from sidco_jax import stats
+from sidco_jax._src.base import (
+    ESTIMATORS,
     GRANULARITIES,
+    MAX_SIZE,
+    MODES,
     CompressMetrics,
     CompressState,
+    ObserveFn,
+    Payload,
+    Rule,
+    RuleInitFn,
+    SelectFn,
     Selection,
-    compress,
-    sparsifier,
 )
+from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
+from sidco_jax._src.checkpoint import ResidualWarning, restore, save
+from sidco_jax._src.control import RULES, StageControl
+from sidco_jax._src.hlo import Collective, hlo_collectives
+from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.metrics import metrics
+from sidco_jax._src.payload import capacity, densify, sparsify
+from sidco_jax._src.registry import COMPRESSORS, compressor
+from sidco_jax._src.sharding import is_residual, shard_init, state_shardings, state_specs
+from sidco_jax._src.sidco import SidcoState, compress
+from sidco_jax._src.thresholds import max_stages, threshold
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "COMPRESSORS",
     "ESTIMATORS",
     "GRANULARITIES",
     "MAX_SIZE",
@@ -47,31 +43,23 @@ __all__ = [
     "Collective",
     "CompressMetrics",
     "CompressState",
-    "ExponentialFit",
-    "GParetoFit",
-    "GammaFit",
+    "ObserveFn",
     "Payload",
     "ResidualWarning",
+    "Rule",
+    "RuleInitFn",
+    "SelectFn",
     "Selection",
+    "SidcoState",
     "StageControl",
     "capacity",
-    "collectives",
     "compress",
+    "compressor",
     "dense",
     "densify",
     "dgc",
-    "exponential_from_sums",
-    "exponential_isf",
-    "fit_exponential",
-    "fit_gamma",
-    "fit_gpareto",
-    "gamma_from_sums",
-    "gamma_isf",
-    "gammainccinv",
-    "gammaincinv",
     "gaussiank",
-    "gpareto_from_sums",
-    "gpareto_isf",
+    "hlo_collectives",
     "is_residual",
     "max_stages",
     "metrics",
@@ -84,6 +72,7 @@ __all__ = [
     "sparsify",
     "state_shardings",
     "state_specs",
+    "stats",
     "threshold",
     "topk",
 ]

@@ -10,15 +10,9 @@ import pytest
 
 import sidco_jax as sidco
 
+# Every compressor but dense, by its registry name.
 FACTORIES = {
-    "sidco-E": functools.partial(sidco.compress, estimator="exponential"),
-    "sidco-P": functools.partial(sidco.compress, estimator="gpareto"),
-    "sidco-GP": functools.partial(sidco.compress, estimator="gamma"),
-    "topk": sidco.topk,
-    "dgc": sidco.dgc,
-    "redsync": sidco.redsync,
-    "gaussiank": sidco.gaussiank,
-    "randomk": sidco.randomk,
+    name: functools.partial(sidco.compressor, name) for name in sidco.COMPRESSORS if name != "dense"
 }
 
 
@@ -156,7 +150,8 @@ def test_dense_passes_gradients_through(rng):
     out, state = tx.update(g, tx.init(g))
     np.testing.assert_array_equal(out["a"], g["a"])
     m = sidco.metrics(state)
-    assert float(m["density"]) == 1.0 and int(m["bytes"]) == 10 * 4 + 3 * 2
+    # The mean is taken in float32, as every compressor's: 4 bytes per entry on the wire.
+    assert float(m["density"]) == 1.0 and int(m["bytes"]) == (10 + 3) * 4
     _, state = tx.update({"a": g["a"] * np.nan, "b": g["b"]}, state)
     assert bool(sidco.metrics(state)["nonfinite"])
 
@@ -256,3 +251,44 @@ def test_randomk_sends_every_entry_about_equally_often():
     assert np.all(hits.sum() == steps * 10)  # k = 10 distinct entries every step
     # Strata of 10 or 11 entries: inclusion probability 1/11 to 1/10, up to sampling noise.
     assert hits.min() / steps > 0.06 and hits.max() / steps < 0.13
+
+
+def test_the_registry_builds_every_documented_name():
+    assert sidco.COMPRESSORS == (
+        "sidco-e",
+        "sidco-p",
+        "sidco-gp",
+        "topk",
+        "dgc",
+        "gaussiank",
+        "redsync",
+        "randomk",
+        "dense",
+    )
+    g = jnp.arange(100.0)
+    for name in sidco.COMPRESSORS:
+        tx = sidco.compressor(name, 0.1)
+        _, state = tx.update(g, tx.init(g))
+        want = 1.0 if name == "dense" else 0.1
+        assert float(sidco.metrics(state)["target_density"]) == pytest.approx(want), name
+    estimator = sidco.compressor("sidco-gp", 0.1, stages=2).init(g).rule.stages
+    assert int(estimator) == 2
+    with pytest.raises(ValueError, match=r"compressor must be one of \('sidco-e'.*got 'sidco-E'"):
+        sidco.compressor("sidco-E", 0.1)
+
+
+def test_metrics_refuses_to_guess_between_two_compressor_states():
+    g = jnp.arange(100.0)
+    tx = optax.chain(sidco.topk(0.1), sidco.compress(0.1))
+    _, state = tx.update(g, tx.init(g))
+    with pytest.raises(ValueError, match="holds 2 sidco_jax compressor states"):
+        sidco.metrics(state)
+    assert float(sidco.metrics(state[1])["density"]) == pytest.approx(0.1)  # top-k sent 10
+
+
+def test_dense_skips_a_nonfinite_step_like_the_compressors():
+    tx = sidco.dense()
+    g = jnp.array([1.0, jnp.inf, 2.0])
+    out, state = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(out, jnp.zeros(3))
+    assert bool(sidco.metrics(state)["nonfinite"]) and float(sidco.metrics(state)["density"]) == 0

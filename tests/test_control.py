@@ -61,7 +61,7 @@ def test_changing_stage_count_never_recompiles(rng):
     seen = set()
     for _ in range(6):
         state = step(state, g)
-        seen.add(int(state.stages))
+        seen.add(int(state.rule.stages))
     assert len(seen) > 1
 
 

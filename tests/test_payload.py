@@ -32,7 +32,7 @@ def test_payload_is_the_first_selected_entries(rng, n, block, density):
 def test_round_trip_without_overflow(rng):
     x = rng.laplace(size=(64, 513)).astype(np.float32)
     eta = sidco.threshold(x, 0.01, stages=2)
-    p = sidco.sparsify(x, eta, sidco.capacity(x.size, 0.01, factor=2.0))
+    p = sidco.sparsify(x, eta, sidco.capacity(x.size, 0.01, capacity_factor=2.0))
     assert int(p.overflow) == 0
     dense = sidco.densify(p, x.size).reshape(x.shape)
     np.testing.assert_array_equal(dense, np.where(np.abs(x) > float(eta), x, 0))
@@ -90,8 +90,8 @@ def test_bad_arguments():
         sidco.sparsify(jnp.ones(4), 1.0, 0)
     with pytest.raises(TypeError, match="floating-point"):
         sidco.sparsify(jnp.ones(4, jnp.int32), 1.0, 2)
-    with pytest.raises(ValueError, match="capacity factor must be >= 1"):
-        sidco.capacity(100, 0.1, factor=0.5)
+    with pytest.raises(ValueError, match="capacity_factor must be >= 1, got 0.5"):
+        sidco.capacity(100, 0.1, capacity_factor=0.5)
     with pytest.raises(ValueError, match="ratio must be in"):
         sidco.capacity(100, 0.0)
-    assert sidco.capacity(100, 1.0, factor=3.0) == 100 and sidco.capacity(10, 1e-6) == 1
+    assert sidco.capacity(100, 1.0, capacity_factor=3.0) == 100 and sidco.capacity(10, 1e-6) == 1

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -19,29 +18,16 @@ from jax.sharding import PartitionSpec as P
 import sidco_jax as sidco
 
 AXIS = "data"
-COMPRESSORS = {
-    "dense": lambda ratio, axis: sidco.dense(axis_name=axis),
-    "sidco-e": lambda ratio, axis: sidco.compress(ratio, estimator="exponential", axis_name=axis),
-    "sidco-p": lambda ratio, axis: sidco.compress(ratio, estimator="gpareto", axis_name=axis),
-    "sidco-gp": lambda ratio, axis: sidco.compress(ratio, estimator="gamma", axis_name=axis),
-    "topk": lambda ratio, axis: sidco.topk(ratio, axis_name=axis),
-    "dgc": lambda ratio, axis: sidco.dgc(ratio, axis_name=axis),
-    "gaussiank": lambda ratio, axis: sidco.gaussiank(ratio, axis_name=axis),
-    "redsync": lambda ratio, axis: sidco.redsync(ratio, axis_name=axis),
-    "randomk": lambda ratio, axis: sidco.randomk(ratio, axis_name=axis),
-}
 
 
 def compressor(
     name: str, ratio: float, axis_name: str | None = AXIS
 ) -> optax.GradientTransformation:
-    """The compressor called ``name`` (see :data:`COMPRESSORS`) averaging over ``axis_name``.
+    """The compressor called ``name`` (one of ``sidco.COMPRESSORS``) averaging over ``axis_name``.
 
     ``axis_name=None`` gives the same compressor on one device, with no communication.
     """
-    if name not in COMPRESSORS:
-        raise ValueError(f"compressor must be one of {sorted(COMPRESSORS)}, got {name!r}")
-    return COMPRESSORS[name](ratio, axis_name)
+    return sidco.compressor(name, ratio, axis_name=axis_name)
 
 
 class Trainer(NamedTuple):
@@ -104,7 +90,7 @@ def build(loss: Callable, params, batch, tx: optax.GradientTransformation, devic
 
     step = jax.jit(step, donate_argnums=(1,))
     compiled = step.lower(params, opt_state, place(mesh, batch, P(AXIS))).compile()
-    sent = sum(c.operand_bytes for c in sidco.collectives(compiled))
+    sent = sum(c.operand_bytes for c in sidco.hlo_collectives(compiled))
     return Trainer(step, mesh, opt_state, sent)
 
 
@@ -126,7 +112,3 @@ def first_residual(opt_state) -> np.ndarray | None:
 def replicated_value(x) -> np.ndarray:
     """A replicated global array as NumPy (works in every process)."""
     return np.asarray(x.addressable_data(0))
-
-
-def mean_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    return jnp.mean(jnp.argmax(logits, -1) == labels)

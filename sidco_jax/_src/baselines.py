@@ -1,8 +1,9 @@
 """The compressors SIDCo is compared with, in the same interface as :func:`compress`.
 
-Each is a selection rule run inside :func:`sparsifier`, so error feedback,
-granularity, non-finite handling and metrics are the same for all. ``k`` is
-``max(floor(n * ratio), 1)`` for a vector of ``n`` entries.
+Each is a :class:`~sidco_jax.Rule` run inside :func:`sparsifier`, so error
+feedback, granularity, non-finite handling and metrics are the same for all,
+:func:`dense` included. ``k`` is ``max(floor(n * ratio), 1)`` for a vector of
+``n`` entries.
 """
 
 import math
@@ -13,29 +14,23 @@ import optax
 from jax import lax
 from jax.scipy import special
 
-from sidco_jax._src import passes, thresholds
+from sidco_jax._src import passes
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.collectives import AxisName
-from sidco_jax._src.transform import (
+from sidco_jax._src.base import (
     SLOT_BYTES,
-    CompressState,
+    VALUE_BYTES,
+    AxisName,
+    Communication,
+    Granularity,
+    Rule,
     Selection,
-    check_axis,
     check_common,
-    is_float,
-    sparsifier,
+    check_ratio,
+    empty_init,
     static,
-    step_metrics,
 )
-
-
-def _k(n: int, ratio: float) -> int:
-    return max(math.floor(n * ratio), 1)
-
-
-def _finite(u: jax.Array) -> jax.Array:
-    (total,) = passes.reduce_each(u, [lambda v, zero: v + zero])
-    return jnp.isfinite(total)
+from sidco_jax._src.base import k_of as _k
+from sidco_jax._src.loop import sparsifier
 
 
 def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.Payload, jax.Array]:
@@ -57,10 +52,10 @@ def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.P
 def topk(
     ratio: float,
     *,
-    granularity: str = "model",
+    granularity: Granularity = "model",
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
-    communication: str = "auto",
+    communication: Communication = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
 
@@ -83,14 +78,15 @@ def topk(
     """
     check_common(ratio, 1.0, granularity)
 
-    def select(u, stages, key):
-        del stages, key
+    def select(vectors, abs_sums, state, key):
+        del abs_sums, state, key
+        (u,) = vectors
         k = _k(u.shape[0], ratio)
         payload, kth = _top_k(u, k, k, k)
-        return Selection(payload, kth, _finite(u), k * SLOT_BYTES)
+        return Selection(payload, kth, k * SLOT_BYTES)
 
     return sparsifier(
-        select,
+        Rule(empty_init, select),
         ratio=ratio,
         granularity=granularity,
         error_feedback=error_feedback,
@@ -103,11 +99,11 @@ def dgc(
     ratio: float,
     *,
     sample_ratio: float = 0.01,
-    granularity: str = "model",
+    granularity: Granularity = "model",
     error_feedback: bool = True,
     seed: int = 0,
     axis_name: AxisName | None = None,
-    communication: str = "auto",
+    communication: Communication = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
 
@@ -129,10 +125,11 @@ def dgc(
       An ``optax.GradientTransformationExtraArgs``.
     """
     check_common(ratio, 1.0, granularity)
-    thresholds.check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
+    check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
 
-    def select(u, stages, key):
-        del stages
+    def select(vectors, abs_sums, state, key):
+        del abs_sums, state
+        (u,) = vectors
         n = u.shape[0]
         k = _k(n, ratio)
         cap = min(math.ceil(4 * k / 3), n)
@@ -148,10 +145,10 @@ def dgc(
             return payload_lib.sparsify(u, eta, cap), eta
 
         payload, eta = lax.cond(selected > cap, trim, keep, None)
-        return Selection(payload, eta, _finite(u), cap * SLOT_BYTES)
+        return Selection(payload, eta, cap * SLOT_BYTES)
 
     return sparsifier(
-        select,
+        Rule(empty_init, select),
         ratio=ratio,
         granularity=granularity,
         error_feedback=error_feedback,
@@ -166,10 +163,10 @@ def redsync(
     *,
     capacity_factor: float = 2.0,
     tolerance: float = 1e-3,
-    granularity: str = "model",
+    granularity: Granularity = "model",
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
-    communication: str = "auto",
+    communication: Communication = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
 
@@ -193,12 +190,13 @@ def redsync(
     if not 0.0 < tolerance < 1.0:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance!r}")
 
-    def select(u, stages, key):
-        del stages, key
+    def select(vectors, abs_sums, state, key):
+        del state, key
+        (u,) = vectors
         n = u.shape[0]
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
-        (total,) = passes.reduce_each(u, [lambda v, z: jnp.abs(v) + z])
+        total = abs_sums[0]
         (top,) = passes.reduce_each(u, [lambda v, z: jnp.abs(v) + z], after=total, op=jnp.max)
         mean = total / n
 
@@ -226,12 +224,10 @@ def redsync(
         lo, _, t, count = lax.while_loop(searching, bisect, start)
         # The last probe if it landed in the window, else the lowest bound known to pass > k.
         eta = threshold_at(jnp.where(in_window(count), t, lo))
-        return Selection(
-            payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
-        )
+        return Selection(payload_lib.sparsify(u, eta, cap), eta, cap * SLOT_BYTES)
 
     return sparsifier(
-        select,
+        Rule(empty_init, select),
         ratio=ratio,
         granularity=granularity,
         error_feedback=error_feedback,
@@ -244,10 +240,10 @@ def gaussiank(
     ratio: float,
     *,
     capacity_factor: float = 4 / 3,
-    granularity: str = "model",
+    granularity: Granularity = "model",
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
-    communication: str = "auto",
+    communication: Communication = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
 
@@ -268,8 +264,9 @@ def gaussiank(
     """
     check_common(ratio, capacity_factor, granularity)
 
-    def select(u, stages, key):
-        del stages, key
+    def select(vectors, abs_sums, state, key):
+        del abs_sums, state, key
+        (u,) = vectors
         n = u.shape[0]
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
@@ -286,12 +283,10 @@ def gaussiank(
             return eta * factor, done | ~(few | many)
 
         eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.zeros_like(eta, bool)))
-        return Selection(
-            payload_lib.sparsify(u, eta, cap), eta, jnp.isfinite(eta), cap * SLOT_BYTES
-        )
+        return Selection(payload_lib.sparsify(u, eta, cap), eta, cap * SLOT_BYTES)
 
     return sparsifier(
-        select,
+        Rule(empty_init, select),
         ratio=ratio,
         granularity=granularity,
         error_feedback=error_feedback,
@@ -303,7 +298,7 @@ def gaussiank(
 def randomk(
     ratio: float,
     *,
-    granularity: str = "model",
+    granularity: Granularity = "model",
     error_feedback: bool = True,
     seed: int = 0,
     axis_name: AxisName | None = None,
@@ -331,8 +326,9 @@ def randomk(
     """
     check_common(ratio, 1.0, granularity)
 
-    def select(u, stages, key):
-        del stages
+    def select(vectors, abs_sums, state, key):
+        del abs_sums, state
+        (u,) = vectors
         n = u.shape[0]
         k = _k(n, ratio)
         # k strata of n // k entries, the first n % k of them one longer (exact in int32).
@@ -342,10 +338,11 @@ def randomk(
         offset = jnp.floor(jax.random.uniform(key, (k,)) * width).astype(jnp.int32)
         idx = start + jnp.minimum(offset, width - 1)
         payload = payload_lib.Payload(u[idx], idx, jnp.int32(k), jnp.int32(k))
-        return Selection(payload, jnp.zeros((), jnp.float32), _finite(u), k * 4, shared=True)
+        zero = jnp.zeros((), jnp.float32)
+        return Selection(payload, zero, k * VALUE_BYTES, shared=True)
 
     return sparsifier(
-        select,
+        Rule(empty_init, select),
         ratio=ratio,
         granularity=granularity,
         error_feedback=error_feedback,
@@ -354,45 +351,31 @@ def randomk(
     )
 
 
+def _everything(vectors, abs_sums, state, key):
+    del abs_sums, state, key
+    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
+
+
 def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
     """No compression: the plain mean of the gradient over ``axis_name``.
+
+    The same loop as the compressors with a rule that sends everything: a
+    ``pmean`` of the gradient, no residual, metrics reporting density 1 and
+    the dense message bytes, and a non-finite step skipped on every device.
 
     Args:
       axis_name: mesh axis (or tuple of axes) to ``pmean`` over; None passes
         the gradient through unchanged.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with the same state type as
-      the compressors (metrics report density 1 and the dense message bytes),
-      so :func:`sidco_jax.metrics` and :func:`sidco_jax.state_specs` work for
-      it too.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`~sidco_jax.CompressState`, so :func:`sidco_jax.metrics` and
+      :func:`sidco_jax.state_specs` work for it too.
     """
-    check_axis(axis_name)
-
-    def metrics(n, message, finite):
-        return step_metrics(1.0, n, n, n, jnp.zeros((), jnp.float32), message, finite)
-
-    def init(params):
-        del params
-        zero = jnp.zeros((), jnp.int32)
-        return CompressState(
-            jnp.zeros((0,), jnp.float32), zero, (), zero, metrics(1, 0, jnp.array(True))
-        )
-
-    def update(updates, state, params=None, **extra_args):
-        del params, extra_args
-        floats = [jnp.asarray(x) for x in jax.tree.leaves(updates) if is_float(x)]
-        finite = jnp.array(True)
-        for x in floats:
-            finite &= _finite(x.reshape(-1))
-        if axis_name is not None:
-            updates = jax.tree.map(lambda x: lax.pmean(x, axis_name) if is_float(x) else x, updates)
-            finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-        message = sum(x.size * x.dtype.itemsize for x in floats)
-        n = sum(x.size for x in floats)
-        new = CompressState(
-            state.residual, state.stages, (), state.count + 1, metrics(n, message, finite)
-        )
-        return updates, new
-
-    return optax.GradientTransformationExtraArgs(init, update)
+    return sparsifier(
+        Rule(empty_init, _everything),
+        ratio=1.0,
+        error_feedback=False,
+        axis_name=axis_name,
+        communication="dense",
+    )

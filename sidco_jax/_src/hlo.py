@@ -1,7 +1,7 @@
 """What a compiled step communicates, read from its optimized HLO.
 
 The bytes a compressor claims to save are only real if the collectives XLA
-emits are small. :func:`collectives` lists every cross-device collective of a
+emits are small. :func:`hlo_collectives` lists every cross-device collective of a
 compiled computation with the bytes of its operand (what one device puts in)
 and of its result (what one device gets back), so a test or a benchmark can
 check the claim instead of trusting a formula.
@@ -45,7 +45,7 @@ def _bytes(result_type: str) -> int:
     return total
 
 
-def collectives(compiled: Any) -> list[Collective]:
+def hlo_collectives(compiled: Any) -> list[Collective]:
     """The cross-device collectives of a compiled computation.
 
     Args:
@@ -60,7 +60,7 @@ def collectives(compiled: Any) -> list[Collective]:
       >>> import jax, jax.numpy as jnp, sidco_jax as sidco
       >>> f = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
       >>> x = jnp.zeros((1, 1000))
-      >>> [(c.kind, c.operand_bytes) for c in sidco.collectives(f.lower(x).compile())]
+      >>> [(c.kind, c.operand_bytes) for c in sidco.hlo_collectives(f.lower(x).compile())]
       [('all-reduce', 4000)]
     """
     text = compiled if isinstance(compiled, str) else compiled.as_text()

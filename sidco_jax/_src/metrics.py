@@ -1,13 +1,14 @@
 """``metrics``: the compressor's figures, found anywhere in a nested optax state."""
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from sidco_jax._src.transform import CompressState
+from sidco_jax._src.base import CompressState
 
 
 def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
-    """Figures of the last step of the first :func:`compress` state inside ``opt_state``.
+    """Figures of the last step of the compressor state inside ``opt_state``.
 
     Works through ``optax.chain``, ``named_chain``, ``inject_hyperparams``,
     ``MultiSteps`` and any other pytree of states.
@@ -23,7 +24,8 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       step's message), ``nonfinite`` and ``step``.
 
     Raises:
-      ValueError: if ``opt_state`` holds no compressor state.
+      ValueError: if ``opt_state`` holds no compressor state, or several (pass
+        the part of the state that holds the one you mean).
 
     Examples:
       >>> import jax.numpy as jnp, optax, sidco_jax as sidco
@@ -40,8 +42,14 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     ]
     if not found:
         raise ValueError("no sidco_jax compressor state found in opt_state")
-    state = found[0]
+    if len(found) > 1:
+        raise ValueError(
+            f"opt_state holds {len(found)} sidco_jax compressor states; pass the part of it "
+            "that holds the one you mean (e.g. opt_state[0] of an optax.chain)"
+        )
+    (state,) = found
     out = state.last._asdict()
-    out["stages"] = state.stages
+    # Rules with a stage count (SIDCo) report it; the baselines have none.
+    out["stages"] = getattr(state.rule, "stages", jnp.zeros((), jnp.int32))
     out["step"] = state.count
     return out

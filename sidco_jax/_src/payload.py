@@ -19,57 +19,33 @@ in ``docs/benchmarks.md``.
 """
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from sidco_jax._src import passes, thresholds
+from sidco_jax._src import passes
+from sidco_jax._src.base import MAX_SIZE, Payload, check_capacity_factor, check_ratio
 
-MAX_SIZE = 2**31 - 1  # int32 indices, with ``size`` itself as the padding index
 _MIN_BLOCK, _MAX_BLOCK = 4, 32  # wider rows make the counting pass 7x slower on CPU
 _TRI = 64  # width of the triangular matmuls of the cumulative sum
 
 
-class Payload(NamedTuple):
-    """A fixed-size sparse representation of the entries above a threshold.
+def capacity(size: int, ratio: float, capacity_factor: float = 1.0) -> int:
+    """Slots for ``ratio`` of ``size`` entries with headroom ``capacity_factor``.
 
-    Attributes:
-      values: ``(capacity,)`` selected values in index order, then zeros.
-      indices: ``(capacity,)`` int32 positions in the flattened input; padding
-        slots hold the input size (out of range, dropped by :func:`densify`).
-      count: int32 number of filled slots, ``min(selected, capacity)``.
-      selected: int32 number of entries above the threshold.
-    """
-
-    values: jax.Array
-    indices: jax.Array
-    count: jax.Array
-    selected: jax.Array
-
-    @property
-    def overflow(self) -> jax.Array:
-        """Entries above the threshold that did not fit (left for the residual)."""
-        return self.selected - self.count
-
-
-def capacity(size: int, ratio: float, factor: float = 1.0) -> int:
-    """Slots for ``ratio`` of ``size`` entries with headroom ``factor``.
-
-    Returns ``ceil(factor * ratio * size)`` clipped to ``[1, size]``.
+    Returns ``ceil(capacity_factor * ratio * size)`` clipped to ``[1, size]``.
 
     Raises:
-      ValueError: for ``ratio`` outside (0, 1] or ``factor < 1``.
+      ValueError: for ``ratio`` outside (0, 1] or ``capacity_factor < 1``.
 
     Examples:
-      >>> capacity(1_000_000, 0.001, factor=1.5)
+      >>> capacity(1_000_000, 0.001, capacity_factor=1.5)
       1500
     """
-    thresholds.check_ratio(ratio)
-    if not factor >= 1.0:
-        raise ValueError(f"capacity factor must be >= 1, got {factor!r}")
-    return int(min(max(math.ceil(factor * ratio * size), 1), max(size, 1)))
+    check_ratio(ratio)
+    check_capacity_factor(capacity_factor)
+    return int(min(max(math.ceil(capacity_factor * ratio * size), 1), max(size, 1)))
 
 
 def _block(size: int, slots: int) -> int:

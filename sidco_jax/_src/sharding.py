@@ -14,8 +14,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sidco_jax._src.collectives import AxisName
-from sidco_jax._src.transform import CompressState
+from sidco_jax._src.base import AxisName, CompressState
 
 
 def _is_state(node) -> bool:
@@ -59,7 +58,7 @@ def state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
       >>> import jax.numpy as jnp, optax, sidco_jax as sidco
       >>> tx = optax.chain(sidco.compress(0.1, axis_name="data"), optax.sgd(0.1))
       >>> specs = sidco.state_specs(tx.init(jnp.zeros(100)), "data")
-      >>> specs[0].residual, specs[0].stages
+      >>> specs[0].residual, specs[0].count
       (P('data',), P())
     """
     return jax.tree.map(lambda residual: P(axis_name) if residual else P(), is_residual(opt_state))

@@ -28,23 +28,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from sidco_jax._src import fits, passes
-
-ESTIMATORS = ("exponential", "gpareto", "gamma")
-
-
-def check_ratio(ratio, name: str = "ratio") -> None:
-    """Raises ``ValueError`` unless a concrete ``ratio`` lies in (0, 1]."""
-    if isinstance(ratio, jax.core.Tracer):
-        return
-    value = float(ratio)
-    if not 0.0 < value <= 1.0:  # also rejects NaN
-        raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
-
-
-def check_estimator(estimator: str) -> None:
-    """Raises ``ValueError`` for an unknown estimator name."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+from sidco_jax._src.base import Estimator, check_estimator, check_ratio
 
 
 def max_stages(ratio: float) -> int:
@@ -124,7 +108,7 @@ def threshold(
     x: jax.Array,
     ratio: ArrayLike,
     *,
-    estimator: str = "exponential",
+    estimator: Estimator = "exponential",
     stages: ArrayLike = 1,
     first_ratio: float = 0.25,
 ) -> jax.Array:
@@ -161,11 +145,16 @@ def threshold(
     check_ratio(ratio)
     check_ratio(first_ratio, "first_ratio")
     x = jnp.ravel(x)
+    (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
+    return from_abs_sum(x, total, ratio, estimator, stages, first_ratio)
+
+
+def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
+    """:func:`threshold` of a 1-D ``x`` whose ``sum(|x|)`` is ``total`` (validated options)."""
     n = x.shape[0]
     if n == 0:
         return jnp.zeros((), jnp.float32)
     ratio = jnp.asarray(ratio, jnp.float32)
-    (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
     mean = total / n
     # A power of two near the mean magnitude: rescaling by it is exact, keeps
     # every statistic near 1 in float32 and keeps differences out of denormals.

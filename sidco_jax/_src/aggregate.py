@@ -21,18 +21,7 @@ import jax
 from jax import lax
 
 from sidco_jax._src import payload as payload_lib
-
-MODES = ("auto", "sparse", "dense")
-VALUE_BYTES = 4  # float32 on the wire
-INDEX_BYTES = 4  # int32
-
-AxisName = str | tuple[str, ...]  # a mesh axis name or a tuple of them
-
-
-def check_mode(mode: str) -> None:
-    """Raises ``ValueError`` unless ``mode`` is one of :data:`MODES`."""
-    if mode not in MODES:
-        raise ValueError(f"communication must be one of {MODES}, got {mode!r}")
+from sidco_jax._src.base import INDEX_BYTES, VALUE_BYTES, AxisName
 
 
 def wire_bytes(mode: str, size: int, capacity: int, devices: int, shared: bool = False) -> float:

@@ -1,0 +1,200 @@
+"""SIDCo's compressor: the statistical threshold as a selection rule, and ``compress``.
+
+The rule fits a sparsity-inducing distribution to the magnitudes of what is to
+be sent (:mod:`thresholds`), packs the entries above the threshold into a
+fixed-capacity payload (:mod:`payload`), and keeps its own state: the stage
+count of the threshold and the controller that adapts it (:mod:`control`).
+Error feedback, aggregation and metrics are the shared loop's (:mod:`loop`).
+"""
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sidco_jax._src import control as control_lib
+from sidco_jax._src import payload as payload_lib
+from sidco_jax._src import thresholds
+from sidco_jax._src.base import (
+    SLOT_BYTES,
+    AxisName,
+    Communication,
+    CompressMetrics,
+    Estimator,
+    Granularity,
+    Rule,
+    Selection,
+    check_common,
+    check_estimator,
+    check_integer,
+    check_ratio,
+    concrete,
+)
+from sidco_jax._src.loop import sparsifier
+
+Adaptation = Literal["paper", "directional"]
+
+
+class SidcoState(NamedTuple):
+    """State of SIDCo's selection rule.
+
+    Attributes:
+      stages: int32 stage count of the threshold (traced: changing it never
+        recompiles).
+      control: the stage controller's state (``optax.EmptyState()`` without
+        adaptation).
+    """
+
+    stages: jax.Array
+    control: control_lib.StageControl | optax.EmptyState
+
+
+def rule(
+    ratio: float,
+    *,
+    estimator: Estimator,
+    stages: int,
+    adaptation: Adaptation | None,
+    first_ratio: float,
+    capacity_factor: float,
+    period: int,
+    band: float,
+) -> Rule:
+    """SIDCo's :class:`~sidco_jax.Rule` (options as in :func:`compress`, already checked)."""
+    limit = thresholds.max_stages(ratio)
+
+    def init(params):
+        del params
+        control = control_lib.init() if adaptation is not None else optax.EmptyState()
+        return SidcoState(jnp.asarray(stages, jnp.int32), control)
+
+    def select(vectors, abs_sums, state, key):
+        del key
+        (u,) = vectors
+        eta = thresholds.from_abs_sum(u, abs_sums[0], ratio, estimator, state.stages, first_ratio)
+        cap = payload_lib.capacity(u.shape[0], ratio, capacity_factor)
+        return Selection(payload_lib.sparsify(u, eta, cap), eta, cap * SLOT_BYTES)
+
+    def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
+        if adaptation is None:
+            return state
+        achieved = jnp.where(figures.nonfinite, 1.0, figures.density / figures.target_density)
+        new_stages, control = control_lib.adapt(
+            state.stages,
+            state.control,
+            achieved,
+            rule=adaptation,
+            period=period,
+            band=band,
+            max_stages=limit,
+        )
+        return SidcoState(new_stages, control)
+
+    return Rule(init, select, observe)
+
+
+def compress(
+    ratio: float,
+    *,
+    estimator: Estimator = "exponential",
+    stages: int | None = None,
+    adaptation: Adaptation | None = "paper",
+    first_ratio: float = 0.25,
+    capacity_factor: float = 1.0,
+    granularity: Granularity = "model",
+    error_feedback: bool = True,
+    period: int = 5,
+    band: float = 0.2,
+    axis_name: AxisName | None = None,
+    communication: Communication = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """SIDCo gradient sparsification with error feedback.
+
+    Args:
+      ratio: target density in (0, 1]: the fraction of entries sent per step.
+        Static (it sets the payload capacity).
+      estimator: ``"exponential"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or
+        ``"gamma"`` (SIDCo-GP).
+      stages: (initial) number of threshold stages, in
+        ``[1, max_stages(ratio)]``; by default ``min(3, max_stages(ratio))``.
+      adaptation: how the stage count follows the achieved density:
+        ``"paper"`` (default: every ``period`` steps one stage fewer above
+        ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
+        (reverses after a move that did not help) or ``None`` (fixed). The
+        default was chosen on training runs under error feedback
+        (docs/benchmarks.md).
+      first_ratio: density targeted by the first of several stages.
+      capacity_factor: payload slots per expected entry (>= 1); entries beyond
+        the capacity stay in the residual. Static.
+      granularity: ``"model"`` (one threshold over all floating-point leaves,
+        as in the paper) or ``"leaf"`` (one threshold and payload per leaf).
+      error_feedback: keep what was not sent and add it to the next gradient.
+      period: steps per adaptation window (the paper's ``Q``).
+      band: tolerance of the adaptation around the target (the paper's 0.2).
+      axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
+        ``jax.pmap`` to average the update over; None (default) sparsifies
+        locally with no collective. With an axis the update is the mean of
+        all devices' messages, identical on every device, and the residual is
+        per device (see :func:`sidco_jax.state_specs`).
+      communication: how the messages are averaged: ``"sparse"``
+        (``all_gather`` of values and indices, then a scatter-add),
+        ``"dense"`` (``psum`` of the densified message, for fast links) or
+        ``"auto"`` (default: the one that moves fewer bytes, decided at trace
+        time; sparse exactly when ``devices x capacity < n``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose update is the
+      sparsified gradient (same tree and dtypes as the input).
+
+    Raises:
+      ValueError: for any argument outside its allowed range, with the value.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, sidco_jax as sidco
+      >>> tx = optax.chain(sidco.compress(0.1), optax.sgd(0.1))
+      >>> params = {"w": jnp.arange(20.0) - 10.0}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(params, state, params)
+      >>> int(jnp.count_nonzero(updates["w"]))
+      2
+
+    References:
+      A. M. Abdelmoniem, A. Elzanaty, M.-S. Alouini and M. Canini, *An
+      Efficient Statistical-based Gradient Compression Technique for
+      Distributed Training Systems*, MLSys 2021 (arXiv:2101.10761).
+    """
+    check_common(ratio, capacity_factor, granularity)
+    check_estimator(estimator)
+    check_ratio(first_ratio, "first_ratio")
+    limit = thresholds.max_stages(ratio)
+    if stages is None:
+        stages = min(3, limit)
+    check_integer("stages", stages, 1, limit, f" for ratio {ratio}")
+    if adaptation is not None and adaptation not in control_lib.RULES:
+        raise ValueError(
+            f"adaptation must be None or one of {control_lib.RULES}, got {adaptation!r}"
+        )
+    check_integer("period", period, 1, None)
+    band_value = concrete(band)
+    if band_value is not None and not 0.0 < band_value < 1.0:
+        raise ValueError(f"band must be in (0, 1), got {band!r}")
+
+    sidco_rule = rule(
+        ratio,
+        estimator=estimator,
+        stages=stages,
+        adaptation=adaptation,
+        first_ratio=first_ratio,
+        capacity_factor=capacity_factor,
+        period=period,
+        band=band,
+    )
+    return sparsifier(
+        sidco_rule,
+        ratio=ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        axis_name=axis_name,
+        communication=communication,
+    )
