@@ -156,3 +156,19 @@ def train_least_squares(steps: int, ratio: float = 0.05, per_device: int = 16, f
         params, state = step(params, state, x, y)
     metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
     return np.asarray(params.addressable_data(0)), metrics
+
+
+def flat_residual(state) -> np.ndarray:
+    """One device's residual tree as one float32 vector (leaves in ``jax.tree.leaves`` order).
+
+    The residual is a tree like the parameters (a zero-size leaf where a leaf
+    is not floating point), so this is the concatenation of what error
+    feedback keeps for the floating-point leaves.
+    """
+    leaves = jax.tree.leaves(state.residual)
+    return np.concatenate([np.ravel(np.asarray(r)) for r in leaves]).astype(np.float32)
+
+
+def device_residual(residual, device: int, devices: int = DEVICES):
+    """Device ``device``'s part of a global residual tree (each leaf split along axis 0)."""
+    return jax.tree.map(lambda r: np.split(np.asarray(r), devices)[device], residual)

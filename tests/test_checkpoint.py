@@ -19,14 +19,15 @@ def targets(params, state, devices):
     """Abstract params and state with the shardings of a ``devices``-device mesh."""
     mesh = mesh_of(devices)
     abstract = jax.eval_shape(lambda: (params, state))
-    n = state[0].residual.shape[0] // len(state[0].residual.sharding.device_set)
+    saved = len(jax.tree.leaves(state[0].residual)[0].sharding.device_set)
     shardings = (
         jax.tree.map(lambda _: NamedSharding(mesh, P()), params),
         sidco.state_shardings(state, mesh, AXIS),
     )
 
     def resize(leaf, residual):
-        shape = (devices * n,) if residual else leaf.shape
+        # Residual leaves stack the devices along their first axis.
+        shape = (devices * leaf.shape[0] // saved, *leaf.shape[1:]) if residual else leaf.shape
         return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
     marks = (jax.tree.map(lambda _: False, params), sidco.is_residual(state))
@@ -48,7 +49,7 @@ def test_training_continues_bit_identically_after_a_restore(tmp_path, rng, devic
     sidco.save(tmp_path / "ckpt", (params, states[-1]))
     restored = sidco.restore(tmp_path / "ckpt", targets(params, states[-1], devices))
     assert_trees_equal(restored, (params, states[-1]))
-    assert restored[1][0].residual.sharding.spec == P(AXIS)
+    assert all(r.sharding.spec == P(AXIS) for r in jax.tree.leaves(restored[1][0].residual))
     updates, states, params = run_shard_map(tx, stream[5:], devices, start=restored)
 
     assert_trees_equal(updates, want_updates[5:])
@@ -66,11 +67,13 @@ def test_restoring_on_fewer_devices_keeps_the_owed_update(tmp_path, rng, devices
         got_params, got_state = sidco.restore(
             tmp_path / "ckpt", targets(params, states[-1], devices)
         )
-    old = np.asarray(states[-1][0].residual).reshape(8, -1)
-    new = np.asarray(got_state[0].residual).reshape(devices, -1)
-    for row in new:
-        np.testing.assert_allclose(row, old.mean(axis=0), rtol=1e-6, atol=1e-7)
-    assert len(got_state[0].residual.sharding.device_set) == devices
+    for old, new in zip(
+        jax.tree.leaves(states[-1][0].residual), jax.tree.leaves(got_state[0].residual), strict=True
+    ):
+        old = np.stack(np.split(np.asarray(old), 8))
+        for row in np.split(np.asarray(new), devices):
+            np.testing.assert_allclose(row, old.mean(axis=0), rtol=1e-6, atol=1e-7)
+        assert len(new.sharding.device_set) == devices
     assert_trees_equal(got_params, params)
     assert_trees_equal(got_state[0]._replace(residual=0), states[-1][0]._replace(residual=0))
     assert_trees_equal(got_state[1], states[-1][1])  # momentum
@@ -82,7 +85,8 @@ def test_a_residual_of_another_model_is_refused(tmp_path, rng):
     _, states, params = run_shard_map(tx, gradient_stream(rng, 1))
     sidco.save(tmp_path / "ckpt", (params, states[-1]))
     target = targets(params, states[-1], 8)
-    bad = target[1][0]._replace(residual=jax.ShapeDtypeStruct((8 * 7,), np.float32))
+    residual = dict(target[1][0].residual, b=jax.ShapeDtypeStruct((8 * 7,), np.float32))
+    bad = target[1][0]._replace(residual=residual)
     target = (target[0], (bad, *target[1][1:]))
     with pytest.raises(ValueError, match="not a whole number of devices' residuals"):
         sidco.restore(tmp_path / "ckpt", target)

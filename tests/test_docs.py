@@ -17,3 +17,28 @@ def test_multi_device_page_runs(capsys):
     assert shape == "(8, 100)"
     restored, params = namespace["restored"], namespace["params"]
     assert (restored["params"]["w"] == params["w"]).all()
+
+
+def test_the_custom_rule_example_is_a_working_compressor(rng):
+    import jax
+    import numpy as np
+
+    (block,) = re.findall(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), flags=re.S)
+    namespace = {}
+    exec(block, namespace)
+    tx = namespace["above_mean_multiple"](0.05, multiple=2.0)
+    grads = {
+        "w": rng.standard_t(3, size=(30, 20)).astype(np.float32),
+        "b": rng.normal(size=77).astype(np.float32),
+    }
+    sent, state = jax.jit(tx.update)(grads, tx.init(grads))
+    flat = np.concatenate([grads["b"], grads["w"].ravel()])  # jax.tree.leaves order
+    eta = 2.0 * np.abs(flat).mean()
+    want = np.where(np.abs(flat) > eta, flat, 0)[: flat.size]
+    kept = np.flatnonzero(want)[: int(np.ceil(0.05 * flat.size))]  # capacity: first in order
+    want = np.zeros_like(flat)
+    want[kept] = flat[kept]
+    got = np.concatenate([np.asarray(sent["b"]), np.asarray(sent["w"]).ravel()])
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)
+    residual = np.concatenate([np.ravel(state.residual["b"]), np.ravel(state.residual["w"])])
+    np.testing.assert_array_equal(got + residual, flat)

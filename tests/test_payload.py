@@ -13,13 +13,17 @@ def oracle(x, eta, capacity):
 
 
 @pytest.mark.parametrize("n", [1, 7, 1000, 4099, 2**16 + 3])
-@pytest.mark.parametrize("block", [None, 4, 32])
+@pytest.mark.parametrize("leaves", [1, 3])
 @pytest.mark.parametrize("density", [0.6, 0.05])
-def test_payload_is_the_first_selected_entries(rng, n, block, density):
+def test_payload_is_the_first_selected_entries(rng, n, leaves, density):
     x = rng.standard_t(3, size=n).astype(np.float32)
     eta = np.float32(np.quantile(np.abs(x), 1 - density)) if n > 1 else np.float32(0.5)
     cap = sidco.capacity(n, density * 0.8)  # some overflow
-    p = jax.jit(lambda x: sidco.sparsify(x, eta, cap, block=block))(x)
+    # As a tree: cut into uneven leaves (one may be empty), one 2-D.
+    cuts = np.sort(rng.integers(0, n + 1, size=leaves - 1))
+    parts = np.split(x, cuts)
+    tree = {f"{i}": p.reshape(-1, 1) if i == 0 else p for i, p in enumerate(parts)}
+    p = jax.jit(lambda t: sidco.sparsify(t, eta, cap))(tree)
     want, total = oracle(x, eta, cap)
     count = int(p.count)
     assert count == want.size and int(p.selected) == total
@@ -90,7 +94,7 @@ def test_bad_arguments():
         sidco.sparsify(jnp.ones(4), 1.0, 0)
     with pytest.raises(TypeError, match="floating-point"):
         sidco.sparsify(jnp.ones(4, jnp.int32), 1.0, 2)
-    with pytest.raises(ValueError, match="capacity_factor must be >= 1, got 0.5"):
+    with pytest.raises(ValueError, match=r"capacity_factor must be >= 1, got 0\.5"):
         sidco.capacity(100, 0.1, capacity_factor=0.5)
     with pytest.raises(ValueError, match="ratio must be in"):
         sidco.capacity(100, 0.0)

@@ -101,12 +101,16 @@ def flat_gradient(loss: Callable, params, batch) -> np.ndarray:
 
 
 def first_residual(opt_state) -> np.ndarray | None:
-    """Device 0's error-feedback residual, or None without one."""
+    """Device 0's error-feedback residual as one flat vector, or None without one.
+
+    The residual is a tree like the parameters; its leaves (device 0's rows of
+    each) are concatenated in ``jax.tree.leaves`` order, like :func:`flat_gradient`.
+    """
     marked = jax.tree.leaves(sidco.is_residual(opt_state))
     leaves = [x for x, m in zip(jax.tree.leaves(opt_state), marked, strict=True) if m]
-    if not leaves or leaves[0].size == 0:
+    if not leaves:
         return None
-    return np.asarray(leaves[0].addressable_shards[0].data)
+    return np.concatenate([np.ravel(np.asarray(x.addressable_shards[0].data)) for x in leaves])
 
 
 def replicated_value(x) -> np.ndarray:

@@ -60,30 +60,38 @@ def message_bytes(mode: str, size: int, capacity: int, shared: bool = False) -> 
 
 
 def mean(
-    payload: payload_lib.Payload, size: int, axis_name: AxisName, mode: str, shared: bool = False
-) -> jax.Array:
+    payload: payload_lib.Payload,
+    sizes: list[int],
+    axis_name: AxisName | None,
+    mode: str,
+    shared: bool = False,
+) -> list[jax.Array]:
     """The mean over ``axis_name`` of the densified payloads, replicated on every device.
 
     Args:
-      payload: this device's payload (indices in ``[0, size]``, ``size`` = padding).
-      size: length of the dense vector.
-      axis_name: the mesh axis (or tuple of axes) to average over.
+      payload: this device's payload, indexed over the concatenation of
+        vectors of ``sizes`` entries (the total = padding).
+      sizes: lengths of the dense vectors (one per gradient leaf).
+      axis_name: the mesh axis (or tuple of axes) to average over; None for
+        this device's own payload, densified.
       mode: ``"sparse"`` or ``"dense"`` (resolved, see :func:`resolve`).
       shared: whether the indices are the same on every device.
 
     Returns:
-      A float32 ``(size,)`` vector, invariant across ``axis_name``.
+      One float32 vector per size, invariant across ``axis_name``.
     """
-    devices = lax.axis_size(axis_name)
+    values, indices = payload.values, payload.indices
+    if axis_name is None:
+        return payload_lib.scatter(values, indices, sizes)
+    # Divided on the k-sized payload, not on the full-size result (a pass saved).
+    values = values / lax.axis_size(axis_name)
     if shared:
-        values = lax.psum(payload.values, axis_name)
-        return payload_lib.densify(payload._replace(values=values), size) / devices
-    if mode == "dense":
-        return lax.psum(payload_lib.densify(payload, size), axis_name) / devices
-    gathered = payload._replace(
-        values=lax.all_gather(payload.values, axis_name, to="invarying"),
-        indices=lax.all_gather(payload.indices, axis_name, to="invarying"),
-    )
-    # densify scatters into jnp.zeros: a target built with zeros_like from a
+        values = lax.psum(values, axis_name)
+    elif mode == "dense":
+        return lax.psum(payload_lib.scatter(values, indices, sizes), axis_name)
+    else:
+        values = lax.all_gather(values, axis_name, to="invarying")
+        indices = lax.all_gather(indices, axis_name, to="invarying")
+    # scatter adds into jnp.zeros: a target built with zeros_like from a
     # varying value would make the mean varying too.
-    return payload_lib.densify(gathered, size) / devices
+    return payload_lib.scatter(values, indices, sizes)

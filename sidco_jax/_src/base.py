@@ -103,10 +103,11 @@ class CompressState(NamedTuple):
     """State of every compressor built by :func:`sidco_jax.sparsifier`.
 
     Attributes:
-      residual: this device's float32 error-feedback residual: one flat vector
-        over the floating-point leaves in ``jax.tree.leaves`` order (length 0
-        without error feedback). Per device: under ``jax.shard_map`` its
-        partition spec is ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
+      residual: this device's float32 error-feedback residual: a tree like the
+        parameters (each floating-point leaf's shape, at least 1-D; a
+        zero-size vector for other leaves), None without error feedback. Per
+        device: under ``jax.shard_map`` its partition spec is
+        ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
       count: int32 number of steps taken.
       last: :class:`CompressMetrics` of the last step.
       rule: the selection rule's own state (``optax.EmptyState()`` if none).

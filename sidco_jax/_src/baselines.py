@@ -33,13 +33,29 @@ from sidco_jax._src.base import k_of as _k
 from sidco_jax._src.loop import sparsifier
 
 
-def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.Payload, jax.Array]:
-    """Exact top-k as a payload of ``capacity >= k`` slots, and the k-th magnitude."""
-    n = u.shape[0]
-    mags, idx = lax.top_k(jnp.abs(u), k)
+def _top_k(vectors, k: int, capacity: int, selected) -> tuple[payload_lib.Payload, jax.Array]:
+    """Exact top-k over 1-D ``vectors`` as a payload of ``capacity >= k`` slots.
+
+    Each vector's own top-k, then the top-k of those candidates: exact, and
+    nothing of size ``n`` is concatenated. Returns the payload and the k-th
+    magnitude.
+    """
+    n = sum(v.shape[0] for v in vectors)
+    offset, mags, idx = 0, [], []
+    for v in vectors:
+        if v.shape[0]:
+            m, i = lax.top_k(jnp.abs(v), min(k, v.shape[0]))
+            mags.append(m)
+            idx.append(i.astype(jnp.int32) + offset)
+        offset += v.shape[0]
+    if len(mags) == 1:
+        (mags,), (idx,) = mags, idx
+    else:
+        mags, pick = lax.top_k(jnp.concatenate(mags), k)
+        idx = jnp.concatenate(idx)[pick]
     pad = capacity - k
-    values = jnp.pad(u[idx], (0, pad))
-    indices = jnp.pad(idx.astype(jnp.int32), (0, pad), constant_values=n)
+    values = jnp.pad(payload_lib.gather(vectors, idx), (0, pad))
+    indices = jnp.pad(idx, (0, pad), constant_values=n)
     # jnp.min, not mags[-1]: slicing top_k's output sent XLA's CPU backend down a
     # path ~30x slower (63 ms against 2 ms at n = 2^18, k = 2621).
     # count from ``selected`` (data), not a constant: under shard_map a constant
@@ -47,6 +63,10 @@ def _top_k(u: jax.Array, k: int, capacity: int, selected) -> tuple[payload_lib.P
     selected = jnp.asarray(selected, jnp.int32)
     payload = payload_lib.Payload(values, indices, jnp.minimum(selected, k), selected)
     return payload, jnp.min(mags)
+
+
+def _size(vectors) -> int:
+    return sum(v.shape[0] for v in vectors)
 
 
 def topk(
@@ -80,9 +100,8 @@ def topk(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
-        (u,) = vectors
-        k = _k(u.shape[0], ratio)
-        payload, kth = _top_k(u, k, k, k)
+        k = _k(_size(vectors), ratio)
+        payload, kth = _top_k(vectors, k, k, k)
         return Selection(payload, kth, k * SLOT_BYTES)
 
     return sparsifier(
@@ -129,20 +148,26 @@ def dgc(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
-        (u,) = vectors
-        n = u.shape[0]
+        n = _size(vectors)
         k = _k(n, ratio)
         cap = min(math.ceil(4 * k / 3), n)
-        size = min(max(math.ceil(sample_ratio * n), 1), n)
-        sample = jnp.abs(u[jax.random.randint(key, (size,), 0, n)])
+        # Each vector sampled in proportion to its size (stratified by leaf).
+        sample = []
+        for v, part in zip(vectors, jax.random.split(key, len(vectors)), strict=True):
+            m = v.shape[0]
+            if m:
+                size = min(max(math.ceil(sample_ratio * m), 1), m)
+                sample.append(jnp.abs(v[jax.random.randint(part, (size,), 0, m)]))
+        sample = jnp.concatenate(sample) if len(sample) > 1 else sample[0]
+        size = sample.shape[0]
         eta = jnp.min(lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0])
-        selected = passes.count_above(u, eta)
+        selected = passes.count_above(vectors, eta)
 
         def trim(_):
-            return _top_k(u, k, cap, selected)
+            return _top_k(vectors, k, cap, selected)
 
         def keep(_):
-            return payload_lib.sparsify(u, eta, cap), eta
+            return payload_lib.select_above(vectors, eta, cap), eta
 
         payload, eta = lax.cond(selected > cap, trim, keep, None)
         return Selection(payload, eta, cap * SLOT_BYTES)
@@ -192,12 +217,11 @@ def redsync(
 
     def select(vectors, abs_sums, state, key):
         del state, key
-        (u,) = vectors
-        n = u.shape[0]
+        n = _size(vectors)
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
-        total = abs_sums[0]
-        (top,) = passes.reduce_each(u, [lambda v, z: jnp.abs(v) + z], after=total, op=jnp.max)
+        total = jnp.sum(abs_sums)
+        (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v) + z], after=total, op=jnp.max)
         mean = total / n
 
         def threshold_at(t):
@@ -213,7 +237,7 @@ def redsync(
         def bisect(carry):
             lo, hi, _, _ = carry
             t = 0.5 * (lo + hi)
-            count = passes.count_above(u, threshold_at(t))
+            count = passes.count_above(vectors, threshold_at(t))
             too_few = count <= k
             return jnp.where(too_few, lo, t), jnp.where(too_few, t, hi), t, count
 
@@ -224,7 +248,7 @@ def redsync(
         lo, _, t, count = lax.while_loop(searching, bisect, start)
         # The last probe if it landed in the window, else the lowest bound known to pass > k.
         eta = threshold_at(jnp.where(in_window(count), t, lo))
-        return Selection(payload_lib.sparsify(u, eta, cap), eta, cap * SLOT_BYTES)
+        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
     return sparsifier(
         Rule(empty_init, select),
@@ -266,24 +290,23 @@ def gaussiank(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
-        (u,) = vectors
-        n = u.shape[0]
+        n = _size(vectors)
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
-        total, squares = passes.reduce_each(u, [lambda v, z: v + z, lambda v, z: v * v + z])
+        total, squares = passes.reduce_each(vectors, [lambda v, z: v + z, lambda v, z: v * v + z])
         mean = total / n
         std = jnp.sqrt(jnp.maximum(squares / n - mean * mean, 0.0))
         eta = jnp.abs(mean) + std * special.ndtri(1.0 - ratio / 2.0)
 
         def correct(_, carry):
             eta, done = carry
-            count = passes.count_above(u, eta, after=eta)
+            count = passes.count_above(vectors, eta, after=eta)
             few, many = 3 * count < 2 * k, 3 * count > 4 * k
             factor = jnp.where(done, 1.0, jnp.where(few, 0.5, jnp.where(many, 1.5, 1.0)))
             return eta * factor, done | ~(few | many)
 
         eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.zeros_like(eta, bool)))
-        return Selection(payload_lib.sparsify(u, eta, cap), eta, cap * SLOT_BYTES)
+        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
     return sparsifier(
         Rule(empty_init, select),
@@ -328,8 +351,7 @@ def randomk(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
-        (u,) = vectors
-        n = u.shape[0]
+        n = _size(vectors)
         k = _k(n, ratio)
         # k strata of n // k entries, the first n % k of them one longer (exact in int32).
         j = jnp.arange(k, dtype=jnp.int32)
@@ -337,7 +359,8 @@ def randomk(
         width = n // k + (j < n % k).astype(jnp.int32)
         offset = jnp.floor(jax.random.uniform(key, (k,)) * width).astype(jnp.int32)
         idx = start + jnp.minimum(offset, width - 1)
-        payload = payload_lib.Payload(u[idx], idx, jnp.int32(k), jnp.int32(k))
+        values = payload_lib.gather(vectors, idx)
+        payload = payload_lib.Payload(values, idx, jnp.int32(k), jnp.int32(k))
         zero = jnp.zeros((), jnp.float32)
         return Selection(payload, zero, k * VALUE_BYTES, shared=True)
 

@@ -62,8 +62,8 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
       every new device gets the mean of the ``d`` old residuals.
 
     Raises:
-      ValueError: if a residual's saved size is not a whole number of the
-        target's per-device residuals.
+      ValueError: if a residual leaf's saved first axis is not a whole number
+        of the target's per-device residuals.
     """
     import orbax.checkpoint as ocp  # slow to import: only here
 
@@ -118,8 +118,9 @@ def _redistribute(value, target):
         ResidualWarning,
         stacklevel=3,
     )
-    mean = np.asarray(value).reshape(old, per_device).mean(axis=0, dtype=np.float64)
-    tiled = np.tile(mean.astype(value.dtype), new)
+    rest = value.shape[1:]
+    mean = np.asarray(value).reshape(old, per_device, *rest).mean(axis=0, dtype=np.float64)
+    tiled = np.tile(mean.astype(value.dtype), (new,) + (1,) * len(rest))
     if target.sharding is None:
         return jax.numpy.asarray(tiled)
     return jax.make_array_from_callback(target.shape, target.sharding, lambda i: tiled[i])

@@ -1,6 +1,7 @@
 """The error-feedback and aggregation loop that every compressor runs.
 
-One step on each device, for the floating-point leaves of the gradient tree::
+One step on each device, leaf by leaf over the floating-point leaves of the
+gradient tree (never copied into one flat vector)::
 
     u        = g + residual                  # error feedback
     payload  = rule.select(u)                # whole model (default) or per leaf
@@ -72,7 +73,7 @@ def reduce_figures(axis_name, finite, sent, selected, eta):
 
 
 def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
-    """One payload over the concatenated vector from per-leaf payloads."""
+    """One payload over the concatenated groups from per-group payloads (k-sized)."""
     if len(chosen) == 1:
         return chosen[0].payload
     n = sum(sizes)
@@ -89,30 +90,44 @@ def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
     )
 
 
-def _round_to_leaves(values, indices, grads, sizes):
+def _round_to_leaves(values, indices, dtypes, sizes):
     """Rounds each sent value to the dtype of the leaf it belongs to.
 
     The update leaves in the gradient's dtype; rounding here, on the payload,
     lets the residual keep the rounding error so that bf16/fp16 lose nothing.
     """
-    dtypes = [g.dtype for g in grads]
     if all(d == jnp.float32 for d in dtypes):
         return values
     if len(set(dtypes)) == 1:
         return values.astype(dtypes[0]).astype(jnp.float32)
-    leaf = jnp.searchsorted(jnp.asarray(np.cumsum(sizes)), indices, side="right")
+    offsets = np.cumsum([0, *sizes])
     rounded = values
-    for dtype in set(dtypes) - {jnp.dtype(jnp.float32)}:
-        mine = jnp.isin(leaf, jnp.asarray([i for i, d in enumerate(dtypes) if d == dtype]))
-        rounded = jnp.where(mine, values.astype(dtype).astype(jnp.float32), rounded)
+    for dtype, start, stop in zip(dtypes, offsets[:-1], offsets[1:], strict=True):
+        if dtype != jnp.float32:
+            mine = (indices >= start) & (indices < stop)
+            rounded = jnp.where(mine, values.astype(dtype).astype(jnp.float32), rounded)
     return rounded
 
 
-def _everything(u: jax.Array) -> payload_lib.Payload:
-    """All of ``u`` as a payload (what a rule's ``None`` payload means)."""
-    n = u.shape[0]
-    count = jnp.int32(n)
-    return payload_lib.Payload(u, jnp.arange(n, dtype=jnp.int32), count, count)
+def residual_like(params, error_feedback: bool = True):
+    """A zero float32 residual for every floating-point leaf of ``params``.
+
+    Shaped like the leaf (at least 1-D, so it can be split over a mesh axis);
+    a zero-size vector for other leaves. None without error feedback.
+    """
+    if not error_feedback:
+        return None
+
+    def zero(leaf):
+        shape = jnp.shape(leaf) if is_float(leaf) else (0,)
+        return jnp.zeros(shape if len(shape) else (1,), jnp.float32)
+
+    return jax.tree.map(zero, params)
+
+
+def _abs_sum(pair, zero):
+    g, r = pair
+    return jnp.abs(g.astype(jnp.float32) + r) + zero
 
 
 def sparsifier(
@@ -126,6 +141,12 @@ def sparsifier(
     communication: Communication = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
+
+    Nothing copies the gradient into one flat vector: the residual is a tree
+    like the parameters, the rule's statistics are summed leaf by leaf, the
+    payload's indices run over the leaves in ``jax.tree.leaves`` order, the
+    update and the residual are written leaf by leaf, and the non-finite gate
+    acts on the fixed-size payload and the step's figures.
 
     Args:
       rule: the :class:`~sidco_jax.Rule` choosing what to send.
@@ -148,11 +169,10 @@ def sparsifier(
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
-        size = sum(int(np.prod(jnp.shape(p))) for p in floats) if error_feedback else 0
         zero = jnp.zeros((), jnp.int32)
         eta = jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32)
         return CompressState(
-            residual=jnp.zeros((size,), jnp.float32),
+            residual=residual_like(params, error_feedback),
             count=zero,
             last=step_metrics(ratio, zero, zero, 1, eta, 0, jnp.array(True)),
             rule=rule.init(params),
@@ -165,70 +185,98 @@ def sparsifier(
         if not float_at:
             return updates, state._replace(count=state.count + 1)
         grads = [jnp.asarray(leaves[i]) for i in float_at]
+        flat = [g.reshape(-1) for g in grads]
         sizes = [g.size for g in grads]
         n = sum(sizes)
-        u = jnp.concatenate([g.astype(jnp.float32).reshape(-1) for g in grads])
         if error_feedback:
-            u = u + state.residual
+            old = [r.reshape(-1) for r in jax.tree.leaves(state.residual)]
+            old = [old[i] for i in float_at]
+        else:
+            old = [jnp.zeros((), jnp.float32)] * len(flat)
+
+        # First pass, fused with the residual add: sum(|g + r|) per leaf, for
+        # the finite check and for the rules' statistics.
+        abs_sums = jnp.stack(passes.reduce_parts(list(zip(flat, old, strict=True)), _abs_sum))
+        local_finite = jnp.all(jnp.isfinite(abs_sums))
+        # A non-finite device keeps its residual as it was (u = r sends nothing).
+        u = [
+            jnp.where(local_finite, g.astype(jnp.float32) + r, r)
+            if error_feedback
+            else g.astype(jnp.float32)
+            for g, r in zip(flat, old, strict=True)
+        ]
         key = jax.random.fold_in(jax.random.key(seed), state.count)
 
-        whole = granularity == "model" or len(grads) == 1
-        vectors = [u] if whole else jnp.split(u, np.cumsum(sizes)[:-1].tolist())
-        abs_sums = [
-            passes.reduce_each(x, [lambda v, z: jnp.abs(v) + z])[0].reshape(1) for x in vectors
-        ]
-        local_finite = jnp.all(jnp.isfinite(jnp.concatenate(abs_sums)))
-        keys = jax.random.split(key, len(vectors))
+        groups = [list(range(len(u)))] if granularity == "model" else [[i] for i in range(len(u))]
+        keys = jax.random.split(key, len(groups))
         chosen = [
-            rule.select([x], s, state.rule, k)
-            for x, s, k in zip(vectors, abs_sums, keys, strict=True)
+            rule.select([u[i] for i in group], abs_sums[np.asarray(group)], state.rule, k)
+            for group, k in zip(groups, keys, strict=True)
         ]
-        chosen = [
-            c if c.payload is not None else c._replace(payload=_everything(x))
-            for c, x in zip(chosen, vectors, strict=True)
-        ]
-        payload = _merge(chosen, [x.shape[0] for x in vectors])
-        etas = chosen[0].threshold if whole else jnp.stack([c.threshold for c in chosen])
+        etas = (
+            chosen[0].threshold
+            if granularity == "model"
+            else jnp.stack([c.threshold for c in chosen])
+        )
         shared = all(c.shared for c in chosen)
+        everything = chosen[0].payload is None
+        group_sizes = [sum(sizes[i] for i in group) for group in groups]
 
-        # Every device agrees on the step before anything is sent: one
-        # non-finite device makes all of them send nothing and keep their
-        # residuals, and the rule sees the same figures everywhere.
-        sent = jnp.where(local_finite, payload.count, 0)
-        finite, sent, selected, etas = reduce_figures(
-            axis_name, local_finite, sent, payload.selected, etas
-        )
-        values = jnp.where(
-            finite, _round_to_leaves(payload.values, payload.indices, grads, sizes), 0.0
-        )
-        payload = payload._replace(values=values)
-
-        capacity = payload.values.shape[0]
-        if axis_name is None:
-            devices, mode = 1, "sparse"
-            mean = payload_lib.densify(payload, n)
+        if everything:
+            sent = jnp.where(local_finite, n, 0).astype(jnp.int32)
+            selected = jnp.int32(n)
         else:
-            devices = lax.axis_size(axis_name)
-            # Shared indices need only a psum of the values, whatever the mode.
-            mode = "sparse" if shared else aggregate.resolve(communication, n, capacity, devices)
-            mean = aggregate.mean(payload, n, axis_name, mode, shared)
+            payload = _merge(chosen, group_sizes)
+            sent = jnp.where(local_finite, payload.count, 0)
+            selected = payload.selected
+        # Every device agrees on the step before anything is sent: one
+        # non-finite device makes all of them send nothing, and the rule sees
+        # the same figures everywhere.
+        finite, sent, selected, etas = reduce_figures(axis_name, local_finite, sent, selected, etas)
+
+        devices = 1 if axis_name is None else lax.axis_size(axis_name)
+        if everything:
+            zero = jnp.zeros((), jnp.float32)
+            mean = [jnp.where(finite, x, zero) for x in u]
+            if axis_name is not None:
+                mean = lax.pmean(mean, axis_name)
+            message, mode = aggregate.message_bytes("dense", n, n), "dense"
+            left = [jnp.where(finite, zero, x) for x in u]
+        else:
+            dtypes = [g.dtype for g in grads]
+            values = jnp.where(
+                finite, _round_to_leaves(payload.values, payload.indices, dtypes, sizes), 0.0
+            )
+            payload = payload._replace(values=values)
+            capacity = values.shape[0]
+            mode = "sparse"
+            if axis_name is not None and not shared:
+                mode = aggregate.resolve(communication, n, capacity, devices)
+            mean = aggregate.mean(payload, sizes, axis_name, mode, shared)
+            message = (
+                sum(c.bytes for c in chosen)
+                if mode == "sparse"
+                else aggregate.message_bytes(mode, n, capacity, shared)
+            )
+            # What this device did not send stays in its residual, exactly:
+            # the sent entries are subtracted in place, leaf by leaf.
+            left = [
+                x.at[local].add(-values, mode="drop")
+                for x, local in zip(
+                    u, payload_lib.local_indices(payload.indices, sizes), strict=True
+                )
+            ]
 
         new_leaves = list(leaves)
-        for i, part, g in zip(
-            float_at, jnp.split(mean, np.cumsum(sizes)[:-1].tolist()), grads, strict=True
-        ):
+        for i, part, g in zip(float_at, mean, grads, strict=True):
             new_leaves[i] = part.reshape(g.shape).astype(g.dtype)
-        # What this device did not send stays in its residual, exactly.
         residual = state.residual
         if error_feedback:
-            left = u.at[payload.indices].add(-payload.values, mode="drop")
-            residual = jnp.where(finite, left, state.residual)
+            residual_leaves = jax.tree.leaves(state.residual)
+            for i, x in zip(float_at, left, strict=True):
+                residual_leaves[i] = x.reshape(residual_leaves[i].shape)
+            residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual_leaves)
 
-        message = (
-            sum(c.bytes for c in chosen)
-            if mode == "sparse"
-            else aggregate.message_bytes(mode, n, capacity, shared)
-        )
         last = step_metrics(ratio, sent, selected, n * devices, etas, message, finite)
         rule_state = rule.observe(state.rule, last)
         new_state = CompressState(residual, state.count + 1, last, rule_state)

@@ -1,4 +1,8 @@
-"""Full-length reductions that each stream the input once.
+"""Full-length reductions that each stream their inputs once.
+
+Every function here takes one array or a sequence of arrays (the leaves of a
+gradient tree, never concatenated: copying a model's leaves into one vector
+costs far more than a pass over them) and reduces over all their entries.
 
 XLA merges identical sub-expressions of several reductions over the same array
 and then materialises the shared elementwise producer (``|x|``, a broadcast
@@ -6,47 +10,59 @@ zero, ...) as a full-size temporary. On the CPU backend of jax 0.10 a count
 plus a sum over 2^24 floats then took ~25 ms where each alone takes ~2-4 ms
 (docs/benchmarks.md). Each reduction here is fed through
 ``lax.optimization_barrier`` together with the previous result: nothing can
-be shared, every pass reads the input directly, and the passes run in order.
+be shared, every pass reads its input directly, and the passes run in order.
 Scalars, including the zero used by ``relu``, travel through the barrier too,
 so that no broadcast constant is shared between passes.
 """
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Term = Callable[..., jax.Array]
+Operands = jax.Array | Sequence[Any]
 
-# Rows of this many entries are counted with an int32 row reduction, which XLA's
-# CPU backend streams at about one-pass speed (wider rows were 7x slower).
-COUNT_BLOCK = 32
+WORD = 32  # entries per bitmask word (uint32)
 
 
-def reduce_each(
-    x: jax.Array,
-    terms: Sequence[Term],
+def as_list(xs: Operands) -> list:
+    """``xs`` as a list of operands (one array becomes a list of one)."""
+    return [xs] if isinstance(xs, jax.Array | np.ndarray) else list(xs)
+
+
+def size(xs: Operands) -> int:
+    """Total number of entries of an array or a sequence of arrays."""
+    return sum(int(np.prod(jnp.shape(x))) for x in as_list(xs))
+
+
+def reduce_parts(
+    xs: Operands,
+    term: Term,
     scalars: Sequence[jax.Array] = (),
     after=None,
     op: Callable[..., jax.Array] = jnp.sum,
 ) -> list[jax.Array]:
-    """Returns ``[op(term(x, zero, *scalars)) for term in terms]``, one pass each.
+    """``[op(term(x, zero, *scalars)) for x in xs]``, one ordered pass per operand.
 
     Args:
-      x: the array to reduce (any shape; reduced over all entries).
-      terms: elementwise functions ``term(x, zero, *scalars)``; ``zero`` is a
+      xs: an array or a sequence of operands; an operand is an array or a
+        tuple of same-shaped arrays that ``term`` combines.
+      term: elementwise function ``term(x, zero, *scalars)``; ``zero`` is a
         float32 scalar 0 to use instead of literal constants (see module doc).
-      scalars: scalar operands of the terms.
+      scalars: scalar operands of the term.
       after: optional array the first pass is ordered after.
       op: the reduction, ``jnp.sum`` (default) or ``jnp.max``.
 
     Returns:
-      One float32 scalar per term.
+      One float32 scalar per operand.
     """
     token = jnp.zeros((), jnp.float32) if after is None else after
     out = []
-    for term in terms:
+    for x in as_list(xs):
         xb, sb, zero, _ = lax.optimization_barrier(
             (x, tuple(scalars), jnp.zeros((), jnp.float32), token)
         )
@@ -55,35 +71,67 @@ def reduce_each(
     return out
 
 
-def block_counts(x: jax.Array, threshold: jax.Array, block: int, after=None) -> jax.Array:
-    """Counts ``|x| > threshold`` in consecutive blocks of ``block`` entries.
+def reduce_each(
+    xs: Operands,
+    terms: Sequence[Term],
+    scalars: Sequence[jax.Array] = (),
+    after=None,
+    op: Callable[..., jax.Array] = jnp.sum,
+) -> list[jax.Array]:
+    """Returns ``[op(term(x, zero, *scalars) over all of xs) for term in terms]``.
+
+    One pass per term and operand (see :func:`reduce_parts` for the arguments).
+
+    Returns:
+      One float32 scalar per term.
+    """
+    combine = jnp.maximum if op is jnp.max else jnp.add
+    out = []
+    for term in terms:
+        parts = reduce_parts(xs, term, scalars, after, op)
+        total = parts[0]
+        for part in parts[1:]:
+            total = combine(total, part)
+        out.append(total)
+        after = total
+    return out
+
+
+def block_words(x: jax.Array, threshold: jax.Array, after=None) -> jax.Array:
+    """Bitmasks of ``|x| > threshold`` over consecutive words of 32 entries.
+
+    Bit ``j`` of word ``w`` is set when entry ``32 w + j`` of the 1-D ``x`` is
+    above the threshold; the last word may be partly filled.
 
     Args:
       x: 1-D array.
-      threshold: scalar magnitude threshold.
-      block: static block length; the last block may be shorter.
+      threshold: scalar magnitude threshold (in ``x``'s dtype or float32).
       after: optional array this pass is ordered after.
 
     Returns:
-      int32 array of ``ceil(x.size / block)`` counts.
+      uint32 array of ``ceil(x.size / 32)`` words.
     """
     n = x.shape[0]
-    full = n // block
+    full = n // WORD
     token = jnp.zeros((), jnp.float32) if after is None else after
     x, threshold, _ = lax.optimization_barrier((x, threshold, token))
-    mags = jnp.abs(x)
-    counts = jnp.sum(
-        (mags[: full * block] > threshold).reshape(full, block), axis=1, dtype=jnp.int32
-    )
-    if n % block:
+    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD, dtype=jnp.uint32))
+    above = jnp.abs(x[: full * WORD]).reshape(full, WORD) > threshold
+    words = jnp.sum(jnp.where(above, bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
+    if n % WORD:
         # Keep the tail reduction out of the main fusion (it would slow it down).
-        counts = lax.optimization_barrier(counts)
-        tail = jnp.sum(mags[full * block :] > threshold, dtype=jnp.int32)
-        counts = jnp.concatenate([counts, tail[None]])
-    return counts
+        words = lax.optimization_barrier(words)
+        tail = jnp.abs(x[full * WORD :]) > threshold
+        last = jnp.sum(jnp.where(tail, bits[: n % WORD], jnp.uint32(0)), dtype=jnp.uint32)
+        words = jnp.concatenate([words, last[None]])
+    return words
 
 
-def count_above(x: jax.Array, threshold: jax.Array, after=None) -> jax.Array:
-    """Exact int32 count of ``|x| > threshold`` in one pass."""
-    counts = block_counts(x.reshape(-1), threshold, COUNT_BLOCK, after)
-    return jnp.sum(lax.optimization_barrier(counts))
+def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:
+    """Exact int32 count of ``|x| > threshold`` over all of ``xs``, one pass each."""
+    total = jnp.zeros((), jnp.int32)
+    for x in as_list(xs):
+        words = block_words(jnp.ravel(x), threshold, after)
+        after = jnp.sum(lax.optimization_barrier(lax.population_count(words)), dtype=jnp.int32)
+        total = total + after
+    return total

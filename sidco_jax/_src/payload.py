@@ -4,30 +4,37 @@
 entries and, on XLA's CPU backend, several times slower than the ``lax.top_k``
 that SIDCo sets out to beat. :func:`sparsify` instead
 
-1. counts the selected entries of each block of ``B`` entries (one pass),
-2. takes a cumulative sum of those ``n / B`` counts (two small matmuls with a
-   triangular matrix, exact in float32 because the partial sums stay small),
-3. binary-searches, for every slot ``j < capacity``, the block that holds the
-   ``j``-th selected entry, and
-4. finds the entry inside the gathered ``capacity x B`` rows.
+1. writes, in one pass over each vector, a uint32 bitmask word per 32 entries
+   (bit ``j``: entry ``j`` of the word is above the threshold);
+2. takes a cumulative sum of the words' bit counts over all vectors (two small
+   matmuls with a triangular matrix, exact in float32 because the partial sums
+   stay small): the global prefix over the blocks;
+3. binary-searches, for every slot ``j < capacity``, the word that holds the
+   ``j``-th selected entry, and finds the entry inside that one word from its
+   bits (``capacity x 32`` integer operations, no gather of data rows);
+4. gathers the ``capacity`` values from the vectors.
 
-Work is one pass over ``n`` plus ``O(n / B + capacity * (B + log n))``, and
+A model's leaves are never concatenated (on XLA's CPU backend, copying them
+into one vector costs many passes): only the ``n / 32`` words are. Work is one
+pass over ``n`` plus ``O(n / 32 + capacity * (32 + log n + leaves))``, and
 every step is a dense vector operation that maps to GPU and TPU as well.
 Entries past the capacity are not sent and are reported as overflow, so an
 error-feedback residual keeps them. Formulations tried and their timings are
 in ``docs/benchmarks.md``.
 """
 
+import itertools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 
 from sidco_jax._src import passes
 from sidco_jax._src.base import MAX_SIZE, Payload, check_capacity_factor, check_ratio
 
-_MIN_BLOCK, _MAX_BLOCK = 4, 32  # wider rows make the counting pass 7x slower on CPU
 _TRI = 64  # width of the triangular matmuls of the cumulative sum
 
 
@@ -48,12 +55,6 @@ def capacity(size: int, ratio: float, capacity_factor: float = 1.0) -> int:
     return int(min(max(math.ceil(capacity_factor * ratio * size), 1), max(size, 1)))
 
 
-def _block(size: int, slots: int) -> int:
-    """Block length balancing the ``n / B`` cumsum against the ``capacity * B`` rows."""
-    best = 2 ** round(math.log2(max(math.sqrt(size / slots), 1.0)))
-    return int(min(max(best, _MIN_BLOCK), _MAX_BLOCK, max(size, 1)))
-
-
 def _cumsum(counts: jax.Array, bound: int) -> jax.Array:
     """Inclusive int32 cumsum of non-negative ``counts``, each at most ``bound``.
 
@@ -72,17 +73,96 @@ def _cumsum(counts: jax.Array, bound: int) -> jax.Array:
     return (within + (totals - within[:, -1])[:, None]).reshape(-1)[:m]
 
 
-def sparsify(
-    x: jax.Array, threshold: jax.Array, capacity: int, *, block: int | None = None
-) -> Payload:
+def _offsets(sizes: Sequence[int]) -> np.ndarray:
+    return np.cumsum([0, *sizes]).astype(np.int64)
+
+
+def gather(vectors: Sequence[jax.Array], indices: jax.Array) -> jax.Array:
+    """Entries of the concatenated 1-D ``vectors`` at ``indices`` (0 out of range).
+
+    Each vector is read at the indices that fall into it, without building the
+    concatenation: ``O(len(vectors) x indices.size)``.
+    """
+    offsets = _offsets([v.shape[0] for v in vectors])
+    out = None
+    for v, start, stop in zip(vectors, offsets[:-1], offsets[1:], strict=True):
+        inside = (indices >= start) & (indices < stop)
+        local = jnp.clip(indices - int(start), 0, max(int(stop - start) - 1, 0))
+        got = jnp.where(inside, v[local] if v.shape[0] else 0, jnp.zeros((), v.dtype))
+        out = got if out is None else jnp.where(inside, got, out)
+    return out
+
+
+def local_indices(indices: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    """Per vector, ``indices`` made local to it (``size`` where outside: dropped by scatters)."""
+    offsets = _offsets(sizes)
+    return [
+        jnp.where((indices >= start) & (indices < stop), indices - int(start), int(stop - start))
+        for start, stop in itertools.pairwise(offsets)
+    ]
+
+
+def select_above(vectors: Sequence[jax.Array], threshold: jax.Array, capacity: int) -> Payload:
+    """:func:`sparsify` of 1-D float vectors, indexed over their concatenation."""
+    sizes = [v.shape[0] for v in vectors]
+    n = sum(sizes)
+    if n > MAX_SIZE:
+        raise ValueError(f"sparsify supports at most 2**31 - 1 entries (int32 indices), got {n}")
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    dtype = jnp.result_type(*vectors) if vectors else jnp.float32
+    if n == 0:
+        zeros = jnp.zeros((capacity,), dtype)
+        return Payload(zeros, jnp.zeros((capacity,), jnp.int32), jnp.int32(0), jnp.int32(0))
+    threshold = jnp.asarray(threshold, jnp.float32)
+
+    words, after = [], None
+    for v in vectors:
+        if v.shape[0]:
+            words.append(passes.block_words(v, threshold.astype(v.dtype), after))
+            after = words[-1]
+    words = jnp.concatenate(words) if len(words) > 1 else words[0]
+    cumulative = _cumsum(lax_popcount(words), passes.WORD)
+    selected = cumulative[-1]
+
+    slot = jnp.arange(1, capacity + 1, dtype=jnp.int32)  # 1-based rank of the entry
+    word_at = jnp.minimum(jnp.searchsorted(cumulative, slot, side="left"), words.shape[0] - 1)
+    rank = slot - jnp.where(word_at > 0, cumulative[word_at - 1], 0)
+    # Position of the rank-th set bit of the word: bits up to each position, counted.
+    shift = jnp.arange(passes.WORD, dtype=jnp.uint32)
+    bits = (jnp.right_shift(words[word_at][:, None], shift) & 1).astype(jnp.float32)
+    upto = bits @ jnp.triu(jnp.ones((passes.WORD, passes.WORD), jnp.float32))
+    column = jnp.sum(upto < rank[:, None].astype(jnp.float32), axis=1, dtype=jnp.int32)
+
+    # Word -> first entry it covers: vector i's words start at word_offsets[i].
+    word_sizes = [-(-s // passes.WORD) for s in sizes if s]
+    entry_offsets = _offsets([s for s in sizes if s])
+    word_offsets = _offsets(word_sizes)
+    vector = jnp.searchsorted(jnp.asarray(word_offsets[1:-1], jnp.int32), word_at, side="right")
+    first = jnp.asarray(entry_offsets[:-1], jnp.int32)[vector] + passes.WORD * (
+        word_at - jnp.asarray(word_offsets[:-1], jnp.int32)[vector]
+    )
+
+    filled = slot <= selected
+    indices = jnp.where(filled, first + column, n).astype(jnp.int32)
+    values = jnp.where(filled, gather(vectors, indices), jnp.zeros((), dtype))
+    return Payload(values, indices, jnp.minimum(selected, capacity), selected)
+
+
+def lax_popcount(words: jax.Array) -> jax.Array:
+    """Set bits of each uint32 word, as int32."""
+    return jax.lax.population_count(words).astype(jnp.int32)
+
+
+def sparsify(x, threshold: jax.Array, capacity: int) -> Payload:
     """The entries of ``x`` with ``|x| > threshold``, packed into ``capacity`` slots.
 
     Args:
-      x: array of any shape; it is flattened (row-major).
+      x: a float array of any shape, or a pytree of them (a gradient tree):
+        indices run over the concatenation of its leaves, each flattened
+        row-major, in ``jax.tree.leaves`` order. Nothing is concatenated.
       threshold: scalar magnitude threshold (NaN selects nothing).
       capacity: static number of slots.
-      block: static block length of the search; by default chosen from
-        ``x.size`` and ``capacity``.
 
     Returns:
       A :class:`Payload`; the first ``capacity`` selected entries in index
@@ -90,7 +170,7 @@ def sparsify(
 
     Raises:
       ValueError: if ``x`` has more than ``2**31 - 1`` entries or ``capacity < 1``.
-      TypeError: if ``x`` is not a floating-point array.
+      TypeError: if a leaf of ``x`` is not a floating-point array.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -98,43 +178,23 @@ def sparsify(
       >>> p.values, p.indices, int(p.count), int(p.overflow)
       (Array([-3.,  2.], dtype=float32), Array([1, 3], dtype=int32), 2, 1)
     """
-    x = jnp.ravel(x)
-    n = x.shape[0]
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"sparsify needs a floating-point array, got {x.dtype}")
-    if n > MAX_SIZE:
-        raise ValueError(f"sparsify supports at most 2**31 - 1 entries (int32 indices), got {n}")
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
-    if n == 0:
-        zeros = jnp.zeros((capacity,), x.dtype)
-        return Payload(zeros, jnp.zeros((capacity,), jnp.int32), jnp.int32(0), jnp.int32(0))
-    block = _block(n, capacity) if block is None else min(int(block), n)
-    threshold = jnp.asarray(threshold, jnp.float32).astype(x.dtype)
+    leaves = [jnp.ravel(jnp.asarray(leaf)) for leaf in jax.tree.leaves(x)]
+    for leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(f"sparsify needs floating-point arrays, got {leaf.dtype}")
+    return select_above(leaves, threshold, capacity)
 
-    counts = passes.block_counts(x, threshold, block)
-    cumulative = _cumsum(counts, block)
-    selected = cumulative[-1]
 
-    slot = jnp.arange(1, capacity + 1, dtype=jnp.int32)  # 1-based rank of the entry
-    row = jnp.minimum(jnp.searchsorted(cumulative, slot, side="left"), counts.shape[0] - 1)
-    rank = slot - jnp.where(row > 0, cumulative[row - 1], 0)
+def scatter(values: jax.Array, indices: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    """Scatter-adds ``values`` at global ``indices`` into one zero vector per size.
 
-    full = n // block
-    rows = x[: full * block].reshape(full, block)[jnp.minimum(row, max(full - 1, 0))]
-    if n % block:
-        # NaN padding never compares above a threshold.
-        tail = jnp.pad(x[full * block :], (0, block - n % block), constant_values=jnp.nan)
-        rows = jnp.where((row == full)[:, None], tail, rows)
-    hits = (jnp.abs(rows) > threshold).astype(jnp.float32)
-    hits_before = hits @ jnp.triu(jnp.ones((block, block), jnp.float32))
-    column = jnp.minimum(jnp.sum(hits_before < rank[:, None], axis=1, dtype=jnp.int32), block - 1)
-
-    filled = slot <= selected
-    values = jnp.take_along_axis(rows, column[:, None], axis=1)[:, 0]
-    values = jnp.where(filled, values, jnp.zeros((), x.dtype))
-    indices = jnp.where(filled, row * block + column, n).astype(jnp.int32)
-    return Payload(values, indices, jnp.minimum(selected, capacity), selected)
+    Duplicate indices accumulate; indices outside every vector are dropped.
+    """
+    values, indices = values.reshape(-1), indices.reshape(-1)
+    return [
+        jnp.zeros((size,), values.dtype).at[local].add(values, mode="drop")
+        for size, local in zip(sizes, local_indices(indices, sizes), strict=True)
+    ]
 
 
 def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.Array:
@@ -157,7 +217,5 @@ def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.
       Array([ 0., -3.,  0.,  2.], dtype=float32)
     """
     dtype = payload.values.dtype if dtype is None else dtype
-    dense = jnp.zeros((size,), dtype)
-    return dense.at[payload.indices.reshape(-1)].add(
-        payload.values.reshape(-1).astype(dtype), mode="drop"
-    )
+    (dense,) = scatter(payload.values.astype(dtype), payload.indices, [size])
+    return dense

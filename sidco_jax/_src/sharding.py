@@ -1,10 +1,11 @@
 """Partition specs and initialisation of optax states that hold per-device residuals.
 
 Under ``jax.shard_map`` each device keeps its own error-feedback residual, a
-flat ``(n,)`` float32 vector, while everything else in the optimizer state
-(momentum, step counts, the stage controller, metrics) stays replicated. As
-one global array the residuals of ``d`` devices are a ``(d * n,)`` vector
-sharded along the axis: device ``i`` holds entries ``[i * n, (i + 1) * n)``.
+float32 tree shaped like the parameters, while everything else in the
+optimizer state (momentum, step counts, the stage controller, metrics) stays
+replicated. As global arrays the residuals of ``d`` devices are stacked along
+each leaf's first axis: a leaf of shape ``(m, ...)`` becomes ``(d * m, ...)``
+sharded along the axis, device ``i`` holding rows ``[i * m, (i + 1) * m)``.
 """
 
 from typing import Any
@@ -34,7 +35,8 @@ def is_residual(opt_state: optax.OptState) -> Any:
 
     def mark(node):
         if _is_state(node):
-            return jax.tree.map(lambda _: False, node)._replace(residual=True)
+            marks = jax.tree.map(lambda _: False, node)
+            return marks._replace(residual=jax.tree.map(lambda _: True, node.residual))
         return jax.tree.map(lambda _: False, node)
 
     return jax.tree.map(mark, opt_state, is_leaf=_is_state)
@@ -43,8 +45,8 @@ def is_residual(opt_state: optax.OptState) -> Any:
 def state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """Partition specs for a whole optax state containing sidco_jax states.
 
-    The residual of every :class:`~sidco_jax.CompressState` is per device
-    (``P(axis_name)``); every other leaf is replicated (``P()``). Use the
+    Every leaf of the residual of every :class:`~sidco_jax.CompressState` is
+    per device (``P(axis_name)``); every other leaf is replicated (``P()``). Use the
     result as ``in_specs``/``out_specs`` of ``jax.shard_map`` for the state.
 
     Args:

@@ -71,10 +71,10 @@ def rule(
 
     def select(vectors, abs_sums, state, key):
         del key
-        (u,) = vectors
-        eta = thresholds.from_abs_sum(u, abs_sums[0], ratio, estimator, state.stages, first_ratio)
-        cap = payload_lib.capacity(u.shape[0], ratio, capacity_factor)
-        return Selection(payload_lib.sparsify(u, eta, cap), eta, cap * SLOT_BYTES)
+        total = jnp.sum(abs_sums)
+        eta = thresholds.from_abs_sum(vectors, total, ratio, estimator, state.stages, first_ratio)
+        cap = payload_lib.capacity(sum(v.shape[0] for v in vectors), ratio, capacity_factor)
+        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
         if adaptation is None:

@@ -59,13 +59,13 @@ def _first_gpareto(x, mean, inv_scale, q, after):
     (squares,) = passes.reduce_each(
         x, [lambda v, z, s: _magnitude(v, z, s) ** 2], [inv_scale], after
     )
-    n = x.shape[0]
+    n = passes.size(x)
     return fits.gpareto_isf(fits.gpareto_from_sums(n, n * mean, squares), q)
 
 
 def _first_gamma(x, mean, inv_scale, q, after):
-    n = x.shape[0]
-    nonzero = passes.count_above(x, jnp.zeros((), x.dtype), after)
+    n = passes.size(x)
+    nonzero = passes.count_above(x, jnp.zeros((), jnp.float32), after)
 
     # Exact zeros join as a point mass, not the fit: their clamped logs are
     # subtracted again (cheaper than masking them inside the pass).
@@ -87,7 +87,7 @@ _FIRST: dict[str, Callable] = {
 
 def _next_stage(x, eta, scale, q_total, estimator):
     """One peak-over-threshold refinement of ``eta`` (in units of ``scale``)."""
-    n = x.shape[0]
+    n = passes.size(x)
     count = passes.count_above(x, eta * scale, after=eta)
     inv = 1.0 / scale
     terms = [_excess]
@@ -118,7 +118,9 @@ def threshold(
     ``"gpareto"``, three for ``"gamma"``) and two (three) per later stage.
 
     Args:
-      x: array of any shape and float dtype; statistics are computed in float32.
+      x: array of any shape and float dtype, or a pytree of them (a gradient
+        tree: one threshold over all its entries, leaves never concatenated);
+        statistics are computed in float32.
       ratio: target density in (0, 1], e.g. 0.001; may be traced.
       estimator: ``"exponential"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or
         ``"gamma"`` (SIDCo-GP: gamma first stage, generalized Pareto after).
@@ -144,14 +146,14 @@ def threshold(
     check_estimator(estimator)
     check_ratio(ratio)
     check_ratio(first_ratio, "first_ratio")
-    x = jnp.ravel(x)
+    x = [jnp.ravel(jnp.asarray(leaf)) for leaf in jax.tree.leaves(x)]
     (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
     return from_abs_sum(x, total, ratio, estimator, stages, first_ratio)
 
 
 def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
-    """:func:`threshold` of a 1-D ``x`` whose ``sum(|x|)`` is ``total`` (validated options)."""
-    n = x.shape[0]
+    """:func:`threshold` of 1-D vectors ``x`` whose ``sum(|x|)`` is ``total`` (checked options)."""
+    n = passes.size(x)
     if n == 0:
         return jnp.zeros((), jnp.float32)
     ratio = jnp.asarray(ratio, jnp.float32)
