@@ -5,17 +5,47 @@ and one core each, train an example model data-parallel across a veth link
 between two network namespaces (:mod:`virtual_link`), rate-limited with ``tc``.
 Needs root and iproute2; without them it says so and exits cleanly.
 
-For every bandwidth, model and compressor it reports the median step time and
-its split (compute: forward and backward on the local batch; compression: the
+For every bandwidth, model and compressor it reports the step time and its
+split (compute: forward and backward on the local batch; compression: the
 compressor's update on one device, no communication; communication: the rest
 of the step), the bytes each process put on the wire per step (the veth's own
 counters) and in the compiled collectives (HLO), and speed-ups over dense and
-over top-k. It fits ``step = a + b / bandwidth`` per compressor across the
+over top-k. It fits ``step = a + b / bandwidth`` to the median steps across the
 bandwidths to give the crossover below which each compressor beats dense, and
 can time dense and SIDCo to a target loss.
 
+How it is timed, so that machine noise (shared cores) hits every compressor
+alike rather than deciding the result:
+
+- Each process first sets up every (compressor, ratio) of the job: compiles its
+  two-process step and its local-only step and warms both up.
+- Then ``--rounds`` rounds each time ``--steps`` steps of every compressor in
+  turn, in an order rotated per round (:func:`schedule`: round ``r`` starts at
+  a different compressor), the same in both processes. A compressor's block
+  starts with one untimed step, which also lines the two processes up; then
+  its timed two-process steps; then, in the same block, its local-only timings
+  alternating a gradient alone (compute) and the local step with the
+  compressor and no collective (alone).
+- Per compressor, over all ``rounds x steps`` samples: the median and the
+  interquartile range (p25-p75) of the step and of each part, and the
+  per-round medians of the step (the drift between rounds). The parts are
+  per-step pairs: compression = alone - compute of the same (adjacent) pair
+  of calls, communication = step - alone of the same index in the same block.
+  So the parts' medians need not add up to the step's median exactly, and a
+  part may come out slightly negative where it is within the noise.
+- Speed-up of A over B: in each round, B's median step over A's (both ran
+  within that round, under the same conditions, so drift between rounds
+  cancels); reported as the median over rounds with the lowest and highest
+  round, e.g. ``1.43x (1.38-1.49)``.
+
+Every run of a job is held in memory at once (for ``lm:large``, 11.2M
+parameters, roughly 0.2-0.3 GB of parameters, state and executable per run and
+process), and a job takes ``rounds x steps x runs`` two-process steps plus
+twice as many local-only timings: raise ``--timeout`` for long ones.
+
     sudo python benchmarks/network.py --bandwidths 100mbit 1gbit 10gbit \\
-        --jobs lm:large cnn:default --ratios 0.01 0.001 --json runs/network.json
+        --jobs lm:large cnn:default --ratios 0.01 0.001 --rounds 3 --steps 20 \\
+        --json runs/network.json
 """
 
 import argparse
@@ -33,7 +63,34 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from virtual_link import VirtualLink, bits_per_second, unavailable  # noqa: E402
 
 COMPRESSORS = ("dense", "topk", "dgc", "gaussiank", "redsync", "sidco-e", "sidco-p", "sidco-gp")
+# (randomk is left out by default: it does not converge at these ratios, docs/benchmarks.md)
 PORT = 4800  # free: the namespaces are new and hold nothing else
+PARTS = ("step", "compute", "compression", "communication")
+
+
+def compressor(name: str, ratio: float, axis_name: str | None):
+    """The compressor ``name`` averaging over ``axis_name`` (None: one device, no collective).
+
+    The one place this benchmark gets compressors from.
+    """
+    import sidco_jax as sidco
+
+    return sidco.compressor(name, ratio, axis_name=axis_name)
+
+
+def schedule(count: int, rounds: int) -> list[list[int]]:
+    """The order of ``count`` runs in each of ``rounds`` rounds (indices into the runs).
+
+    Round ``r`` is the list rotated to start at ``r * count // min(rounds, count)``
+    (mod ``count``): with at most as many rounds as runs the starts are spread
+    evenly over the list, so each run is early in one round and late in another;
+    with more rounds they step by one. Consecutive rounds differ whenever there
+    are two runs or more. Deterministic, so both processes run the same sequence.
+    """
+    if count == 0:
+        return [[] for _ in range(rounds)]
+    starts = [r * count // min(rounds, count) % count for r in range(rounds)]
+    return [[(start + i) % count for i in range(count)] for start in starts]
 
 
 # ----------------------------------------------------------------------------- worker
@@ -60,48 +117,25 @@ def worker(spec: dict) -> None:
     config = importlib.import_module(f"examples.{model}.configs.{name}").get_config()
     task = importlib.import_module(f"examples.{model}.train").task(config)
     counter = pathlib.Path(f"/sys/class/net/{spec['device']}/statistics/tx_bytes")
-    rows = []
-    for compressor, ratio in spec["runs"]:
-        rows.append(_measure(task, config, compressor, ratio, spec["steps"], counter))
-        print(f"{compressor} {ratio}: {rows[-1]['step_ms']:.0f} ms/step", flush=True)  # to the log
-    traces = [
-        _train(task, config, compressor, spec["target_ratio"], spec["target_steps"])
-        for compressor in spec["target_compressors"]
+    out = _measure(task, config, spec, counter)
+    out["traces"] = [
+        _train(task, config, target, spec["target_ratio"], spec["target_steps"])
+        for target in spec["target_compressors"]
     ]
-    out = {"rows": rows, "traces": traces, "parameters": rows[0]["parameters"] if rows else 0}
     pathlib.Path(spec["out"]).write_text(json.dumps(out))
     jax.distributed.shutdown()
 
 
-def _median(times: list[float]) -> float:
-    import numpy as np
-
-    return float(np.median(times)) * 1e3
-
-
-def _timed(fn, *args, repeats: int) -> list[float]:
-    import jax
-
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _optimizer(compressor: str, ratio: float, config, axis_name):
+def _optimizer(name: str, ratio: float, config, axis_name):
     import optax
 
-    from examples.common import parallel
-
     return optax.chain(
-        parallel.compressor(compressor, ratio, axis_name),
+        compressor(name, ratio, axis_name),
         optax.sgd(config.learning_rate, momentum=config.momentum),
     )
 
 
-def _setup(task, config, compressor: str, ratio: float, batches: int):
+def _setup(task, config, name: str, ratio: float, batches: int):
     """The compiled two-process step, placed parameters, state and ``batches`` placed batches."""
     import numpy as np
 
@@ -110,74 +144,133 @@ def _setup(task, config, compressor: str, ratio: float, batches: int):
     data = np.random.default_rng(config.seed)
     host = [task.sample(data, 2 * config.batch_per_device) for _ in range(batches)]
     params = task.init(config.seed)
-    tx = _optimizer(compressor, ratio, config, parallel.AXIS)
+    tx = _optimizer(name, ratio, config, parallel.AXIS)
     trainer = parallel.build(task.loss, params, host[0], tx, devices=2)
     placed = [parallel.place(trainer.mesh, b, parallel.P(parallel.AXIS)) for b in host]
     params = parallel.place(trainer.mesh, params, parallel.P())
     return trainer, params, placed, host
 
 
-def _measure(task, config, compressor: str, ratio: float, steps: int, counter) -> dict:
+def _seconds(fn, *args) -> float:
     import jax
-    import optax
 
-    trainer, params, batches, host = _setup(task, config, compressor, ratio, steps + 2)
-    opt_state = trainer.opt_state
-    for batch in batches[:2]:  # warm-up
-        params, opt_state, loss = jax.block_until_ready(trainer.step(params, opt_state, batch))
-    sent = int(counter.read_text())
-    step_times = []
-    for batch in batches[2:]:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+class _Run:
+    """One (compressor, ratio), set up and warm: its two-process step with its own parameters
+    and state, and its local-only step (the same optimizer without the collective)."""
+
+    def __init__(self, task, config, name: str, ratio: float, steps: int, local_params, batch):
+        import jax
+        import optax
+
+        self.name, self.ratio = name, ratio
+        self.trainer, self.params, self.batches, _ = _setup(
+            task, config, name, ratio, max(steps, 2)
+        )
+        self.opt_state, self.loss, self.next = self.trainer.opt_state, None, 0
+        for _ in range(2):  # warm-up
+            self.step()
+        self.tx = _optimizer(name, ratio, config, None)
+        tx = self.tx
+
+        @jax.jit
+        def local_step(params, state, batch):
+            loss, grads = jax.value_and_grad(task.loss)(params, batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        self.local_step = local_step
+        state = tx.init(local_params)  # made again per block: one at a time is held
+        for _ in range(2):
+            jax.block_until_ready(local_step(local_params, state, batch))
+
+    def step(self) -> float:
+        """One two-process step on the next batch; its seconds."""
+        import jax
+
+        batch = self.batches[self.next % len(self.batches)]
+        self.next += 1
         start = time.perf_counter()
-        params, opt_state, loss = jax.block_until_ready(trainer.step(params, opt_state, batch))
-        step_times.append(time.perf_counter() - start)
-    wire = (int(counter.read_text()) - sent) / steps
+        self.params, self.opt_state, self.loss = jax.block_until_ready(
+            self.trainer.step(self.params, self.opt_state, batch)
+        )
+        return time.perf_counter() - start
 
-    # The same work on this process's device alone: no collective, nothing to wait for.
+
+def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
+    """Every run of ``spec``, interleaved round-robin: per-step seconds per run and round."""
+    import jax
+    import numpy as np
+
+    steps, rounds = spec["steps"], spec["rounds"]
     device = jax.local_devices()[0]
-    local = jax.device_put(jax.tree.map(lambda x: x[: config.batch_per_device], host[0]), device)
+    local_batch = jax.device_put(
+        task.sample(np.random.default_rng(config.seed), config.batch_per_device), device
+    )
     local_params = jax.device_put(task.init(config.seed), device)
-    tx = _optimizer(compressor, ratio, config, None)
-
-    @jax.jit
-    def local_step(params, state, batch):
-        loss, grads = jax.value_and_grad(task.loss)(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
     gradient = jax.jit(jax.value_and_grad(task.loss))
-    state = tx.init(local_params)
-    _timed(gradient, local_params, local, repeats=2)
-    _timed(local_step, local_params, state, local, repeats=2)
-    compute = _median(_timed(gradient, local_params, local, repeats=steps))
-    alone = _median(_timed(local_step, local_params, state, local, repeats=steps))
-    step = _median(step_times)
-    return {
-        "compressor": compressor,
-        "ratio": ratio,
-        "step_ms": step,
-        "compute_ms": compute,
-        "compression_ms": max(alone - compute, 0.0),
-        "communication_ms": max(step - alone, 0.0),
-        "wire_bytes": wire,
-        "hlo_bytes": trainer.bytes_per_step,
-        "parameters": sum(int(x.size) for x in jax.tree.leaves(params)),
-        "loss": float(loss.addressable_data(0)),
-    }
+    jax.block_until_ready(gradient(local_params, local_batch))
+
+    runs = [
+        _Run(task, config, name, ratio, steps, local_params, local_batch)
+        for name, ratio in spec["runs"]
+    ]
+    samples = [{"step": [], "compute": [], "alone": []} for _ in runs]
+    sent, started = [0] * len(runs), [[] for _ in runs]
+    executed = []  # what ran, in order: [[compressor, ratio], ...] per round
+    for r, indices in enumerate(schedule(len(runs), rounds)):
+        executed.append([])
+        for i in indices:
+            run, got = runs[i], samples[i]
+            executed[-1].append([run.name, run.ratio])
+            started[i].append(time.time())
+            run.step()  # untimed: the other process may still be in its local timings
+            before = int(counter.read_text())
+            got["step"].append([run.step() for _ in range(steps)])
+            sent[i] += int(counter.read_text()) - before
+            state = run.tx.init(local_params)
+            jax.block_until_ready(run.local_step(local_params, state, local_batch))
+            compute, alone = [], []
+            for _ in range(steps):  # adjacent pairs: compression = alone - compute
+                compute.append(_seconds(gradient, local_params, local_batch))
+                alone.append(_seconds(run.local_step, local_params, state, local_batch))
+            got["compute"].append(compute)
+            got["alone"].append(alone)
+            del state
+            median = sorted(got["step"][-1])[steps // 2] * 1e3
+            print(f"round {r} {run.name} {run.ratio}: {median:.0f} ms/step", flush=True)  # log
+    rows = [
+        {
+            "compressor": run.name,
+            "ratio": run.ratio,
+            "samples_s": got,
+            "started": started[i],  # wall clock at the start of each round's block
+            "wire_bytes": sent[i] / (rounds * steps),
+            "hlo_bytes": run.trainer.bytes_per_step,
+            "loss": float(run.loss.addressable_data(0)),
+        }
+        for i, (run, got) in enumerate(zip(runs, samples, strict=True))
+    ]
+    parameters = sum(int(x.size) for x in jax.tree.leaves(local_params))
+    return {"rows": rows, "order": executed, "parameters": parameters}
 
 
-def _train(task, config, compressor: str, ratio: float, steps: int) -> dict:
+def _train(task, config, name: str, ratio: float, steps: int) -> dict:
     """Loss against wall-clock time over ``steps`` steps (time to a target loss)."""
     import jax
 
-    trainer, params, batches, _ = _setup(task, config, compressor, ratio, steps)
+    trainer, params, batches, _ = _setup(task, config, name, ratio, steps)
     opt_state = trainer.opt_state
     seconds, losses, start = [], [], time.perf_counter()
     for batch in batches:
         params, opt_state, loss = trainer.step(params, opt_state, batch)
         losses.append(float(jax.block_until_ready(loss).addressable_data(0)))
         seconds.append(time.perf_counter() - start)
-    return {"compressor": compressor, "ratio": ratio, "seconds": seconds, "loss": losses}
+    return {"compressor": name, "ratio": ratio, "seconds": seconds, "loss": losses}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -221,27 +314,84 @@ def run_job(link: VirtualLink, spec: dict, timeout: float, workdir: pathlib.Path
     return [json.loads((workdir / f"{side}.json").read_text()) for side in (0, 1)]
 
 
-def merge(bandwidth: str, job: str, results: list[dict]) -> tuple[list[dict], list[dict]]:
-    """One row per measurement: process 0's times, the two processes' mean wire bytes."""
+def merge(bandwidth: str, job: str, results: list[dict]) -> tuple[list[dict], list[dict], dict]:
+    """One row per (compressor, ratio), summarized from process 0's times (a step ends for both
+    processes together), with the two processes' mean wire bytes; the traces; and the order
+    each process ran the runs in (which must be the same)."""
+    orders = [result["order"] for result in results]
+    if orders[0] != orders[1]:
+        raise RuntimeError(f"the processes of {job} ran different orders: {orders}")
     rows = []
     for first, second in zip(results[0]["rows"], results[1]["rows"], strict=True):
         row = dict(first, bandwidth=bandwidth, job=job, parameters=results[0]["parameters"])
         row["wire_bytes"] = (first["wire_bytes"] + second["wire_bytes"]) / 2
-        rows.append(row)
+        rows.append(summarize(row))
     traces = [dict(t, bandwidth=bandwidth, job=job) for t in results[0]["traces"]]
-    return rows, traces
+    return rows, traces, {"bandwidth": bandwidth, "job": job, "orders": orders}
+
+
+def _describe(per_round: list[list[float]]) -> dict:
+    """Median, p25, p75 over all samples and the median of each round, in ms."""
+    import numpy as np
+
+    flat = np.concatenate([np.asarray(r, float) for r in per_round]) * 1e3
+    p25, median, p75 = np.percentile(flat, [25, 50, 75])
+    rounds = [float(np.median(r)) * 1e3 for r in per_round]
+    return {"median": float(median), "p25": float(p25), "p75": float(p75), "rounds": rounds}
+
+
+def summarize(row: dict) -> dict:
+    """Adds ``<part>_ms`` (median), ``<part>_p25_ms``, ``<part>_p75_ms`` and
+    ``<part>_rounds_ms`` (per-round medians) for each of :data:`PARTS` to a row with
+    ``samples_s`` (per round, per step seconds of step, compute and alone).
+
+    compression = alone - compute of the same pair of calls; communication = step - alone
+    of the same index in the same round (the samples stay paired, so each part gets a
+    spread of its own).
+    """
+    import numpy as np
+
+    got = row["samples_s"]
+    pairs = {
+        "step": got["step"],
+        "compute": got["compute"],
+        "compression": np.subtract(got["alone"], got["compute"]),  # rounds x steps
+        "communication": np.subtract(got["step"], got["alone"]),
+    }
+    for part in PARTS:
+        summary = _describe(pairs[part])
+        row[f"{part}_ms"] = summary["median"]
+        row[f"{part}_p25_ms"], row[f"{part}_p75_ms"] = summary["p25"], summary["p75"]
+        row[f"{part}_rounds_ms"] = summary["rounds"]
+    row["rounds"], row["steps"] = len(got["step"]), len(got["step"][0])
+    return row
+
+
+def speedup(base: dict, row: dict) -> dict:
+    """``base``'s step over ``row``'s, round by round (both ran in each round): the median over
+    rounds, the lowest and the highest round, and every round's."""
+    import numpy as np
+
+    per_round = [b / x for b, x in zip(base["step_rounds_ms"], row["step_rounds_ms"], strict=True)]
+    return {
+        "median": float(np.median(per_round)),
+        "low": min(per_round),
+        "high": max(per_round),
+        "rounds": per_round,
+    }
 
 
 def speedups(rows: list[dict]) -> None:
-    """Adds speed-up over dense and over top-k (same job, bandwidth and ratio) to each row."""
+    """Adds speed-up over dense and over top-k (same job, bandwidth and ratio) to each row
+    (:func:`speedup`; None where there is no such run)."""
     for row in rows:
         same = [r for r in rows if (r["job"], r["bandwidth"]) == (row["job"], row["bandwidth"])]
         dense = next((r for r in same if r["compressor"] == "dense"), None)
         topk = next(
             (r for r in same if r["compressor"] == "topk" and r["ratio"] == row["ratio"]), None
         )
-        row["vs_dense"] = dense["step_ms"] / row["step_ms"] if dense else None
-        row["vs_topk"] = topk["step_ms"] / row["step_ms"] if topk else None
+        row["vs_dense"] = speedup(dense, row) if dense else None
+        row["vs_topk"] = speedup(topk, row) if topk else None
 
 
 def crossovers(rows: list[dict]) -> list[dict]:
@@ -305,31 +455,47 @@ def _rate(bits: float | None) -> str:
     return f"{bits / 1e9:.2f} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.0f} Mbit/s"
 
 
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+
+
+def _spread(row: dict, part: str) -> str:
+    """``median (p25-p75)`` in ms."""
+    return f"{_ms(row[f'{part}_ms'])} ({_ms(row[f'{part}_p25_ms'])}-{_ms(row[f'{part}_p75_ms'])})"
+
+
+def _times(s: dict | None) -> str:
+    return "-" if s is None else f"{s['median']:.2f}x ({s['low']:.2f}-{s['high']:.2f})"
+
+
 def tables(rows: list[dict], fits: list[dict], targets: list[dict]) -> str:
     """Markdown tables of the measurements."""
     lines = []
     for job in dict.fromkeys(r["job"] for r in rows):
-        params = next(r["parameters"] for r in rows if r["job"] == job)
+        mine = [r for r in rows if r["job"] == job]
+        first = mine[0]
         lines += [
-            f"\n{job} ({params:,} parameters), 2 processes x 1 CPU device\n",
-            "| bandwidth | ratio | compressor | step ms | compute | compression | communication"
-            " | wire bytes/step | HLO bytes | vs dense | vs top-k |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"\n{job} ({first['parameters']:,} parameters), 2 processes x 1 CPU device;"
+            f" {first['rounds']} round{'s' * (first['rounds'] != 1)} x {first['steps']} steps"
+            " per compressor, interleaved."
+            " Times in ms: median (p25-p75); per round: the step's median in each round;"
+            " speed-ups: median over rounds of the per-round ratio (lowest-highest round)\n",
+            "| bandwidth | ratio | compressor | step | step per round | compute | compression"
+            " | communication | wire bytes/step | HLO bytes | vs dense | vs top-k |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in (r for r in rows if r["job"] == job):
+        for r in mine:
             ratio = "-" if r["compressor"] == "dense" else f"{r['ratio']:g}"
-            times = " | ".join(
-                f"{r[k]:.0f}"
-                for k in ("step_ms", "compute_ms", "compression_ms", "communication_ms")
-            )
-            topk = f"{r['vs_topk']:.2f}" if r["vs_topk"] else "-"
+            per_round = " / ".join(_ms(x) for x in r["step_rounds_ms"])
+            parts = " | ".join(_spread(r, p) for p in PARTS[1:])
             lines.append(
-                f"| {r['bandwidth']} | {ratio} | {r['compressor']} | {times} | "
-                f"{r['wire_bytes']:,.0f} | {r['hlo_bytes']:,} | {r['vs_dense']:.2f} | {topk} |"
+                f"| {r['bandwidth']} | {ratio} | {r['compressor']} | {_spread(r, 'step')} | "
+                f"{per_round} | {parts} | {r['wire_bytes']:,.0f} | {r['hlo_bytes']:,} | "
+                f"{_times(r['vs_dense'])} | {_times(r['vs_topk'])} |"
             )
     if fits:
         lines += [
-            "\nCrossover: the bandwidth below which a compressor's step, fitted as"
+            "\nCrossover: the bandwidth below which a compressor's median step, fitted as"
             " a + b / bandwidth, is shorter than dense's\n",
             "| job | ratio | compressor | fixed ms | crossover |",
             "|---|---:|---|---:|---:|",
@@ -354,7 +520,8 @@ def tables(rows: list[dict], fits: list[dict], targets: list[dict]) -> str:
 
 
 def plots(rows: list[dict], traces: list[dict], folder: pathlib.Path) -> None:
-    """Step time against bandwidth per job and ratio, and loss against time."""
+    """Median step time (bars: p25-p75) against bandwidth per job and ratio, and loss
+    against time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,7 +543,12 @@ def plots(rows: list[dict], traces: list[dict], folder: pathlib.Path) -> None:
                 ]
                 if points:
                     x = [bits_per_second(p["bandwidth"]) / 1e6 for p in points]
-                    axis.plot(x, [p["step_ms"] for p in points], "o-", label=name)
+                    y = [p["step_ms"] for p in points]
+                    iqr = [
+                        [m - p["step_p25_ms"] for m, p in zip(y, points, strict=True)],
+                        [p["step_p75_ms"] - m for m, p in zip(y, points, strict=True)],
+                    ]
+                    axis.errorbar(x, y, yerr=iqr, fmt="o-", capsize=2, label=name)
             axis.set(xscale="log", yscale="log", xlabel="bandwidth (Mbit/s)", ylabel="step (ms)")
             axis.set_title(f"{job}, ratio {ratio:g}")
             axis.legend(fontsize=7)
@@ -394,24 +566,74 @@ def plots(rows: list[dict], traces: list[dict], folder: pathlib.Path) -> None:
         plt.close(figure)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit", "10gbit"])
+    parser.add_argument(
+        "--bandwidths",
+        nargs="+",
+        default=["100mbit", "1gbit", "10gbit"],
+        help="tc rates of the link to measure at, one job run per rate and model",
+    )
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (netem)")
     parser.add_argument(
         "--jobs", nargs="+", default=["lm:large", "cnn:default"], help="example:config pairs"
     )
-    parser.add_argument("--compressors", nargs="+", default=list(COMPRESSORS))
-    parser.add_argument("--ratios", nargs="+", type=float, default=[0.01, 0.001])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (median)")
-    parser.add_argument("--target-bandwidth", default="1gbit")
-    parser.add_argument("--target-compressors", nargs="*", default=["dense", "sidco-e"])
-    parser.add_argument("--target-ratio", type=float, default=0.01)
-    parser.add_argument("--target-steps", type=int, default=0, help="0: no time-to-loss run")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
-    parser.add_argument("--json", type=pathlib.Path)
-    parser.add_argument("--plots", type=pathlib.Path)
+    parser.add_argument(
+        "--compressors", nargs="+", default=list(COMPRESSORS), help="compressors to time"
+    )
+    parser.add_argument(
+        "--ratios",
+        nargs="+",
+        type=float,
+        default=[0.01, 0.001],
+        help="target densities; every compressor but dense runs at each",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_at_least_one,
+        default=3,
+        help="rounds over all compressors, each round in a rotated order",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_at_least_one,
+        default=20,
+        help="timed steps per compressor per round (and as many local-only timings)",
+    )
+    parser.add_argument(
+        "--target-bandwidth", default="1gbit", help="bandwidth of the time-to-loss runs"
+    )
+    parser.add_argument(
+        "--target-compressors",
+        nargs="*",
+        default=["dense", "sidco-e"],
+        help="compressors of the time-to-loss runs",
+    )
+    parser.add_argument(
+        "--target-ratio", type=float, default=0.01, help="ratio of the time-to-loss runs"
+    )
+    parser.add_argument(
+        "--target-steps", type=int, default=0, help="steps of each time-to-loss run; 0: none"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds per job (one model at one bandwidth: set-up, all rounds, time-to-loss)",
+    )
+    parser.add_argument("--json", type=pathlib.Path, help="write every result here")
+    parser.add_argument("--plots", type=pathlib.Path, help="write plots into this folder")
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
@@ -424,7 +646,7 @@ def main(argv=None) -> int:
         return 0
     runs = [("dense", args.ratios[0])] if "dense" in args.compressors else []
     runs += [(c, r) for r in args.ratios for c in args.compressors if c != "dense"]
-    rows, traces = [], []
+    rows, traces, orders = [], [], []
     with VirtualLink() as link, tempfile.TemporaryDirectory() as scratch:
         cache = pathlib.Path(scratch) / "cache"
         for bandwidth in args.bandwidths:
@@ -434,6 +656,7 @@ def main(argv=None) -> int:
                 spec = {
                     "job": job,
                     "runs": runs,
+                    "rounds": args.rounds,
                     "steps": args.steps,
                     "cache": str(cache),
                     "coordinator": link.addresses[0],
@@ -443,9 +666,10 @@ def main(argv=None) -> int:
                 }
                 print(f"{bandwidth} {job} ...", flush=True)
                 results = run_job(link, spec, args.timeout, pathlib.Path(scratch))
-                more_rows, more_traces = merge(bandwidth, job, results)
+                more_rows, more_traces, order = merge(bandwidth, job, results)
                 rows += more_rows
                 traces += more_traces
+                orders.append(order)
     speedups(rows)
     fits = crossovers(rows)
     targets = time_to_target(traces)
@@ -455,6 +679,7 @@ def main(argv=None) -> int:
         record = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "rows": rows,
+            "orders": orders,
             "crossovers": fits,
             "time_to_target": targets,
             "traces": traces,

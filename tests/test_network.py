@@ -4,9 +4,11 @@ The link needs root and iproute2 (CI runs as root); without them these tests
 are skipped with the reason, and the benchmark itself exits cleanly.
 """
 
+import itertools
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +63,104 @@ def test_without_root_the_benchmark_says_so_and_exits_cleanly(monkeypatch, capsy
     assert "network benchmark skipped: network namespaces need root" in capsys.readouterr().out
     with pytest.raises(PermissionError, match="need root"), virtual_link.VirtualLink():
         pass
+
+
+@pytest.mark.parametrize(("count", "rounds"), [(2, 3), (3, 3), (15, 3), (15, 1), (4, 9)])
+def test_every_round_runs_every_run_once_and_starts_somewhere_else(count, rounds):
+    order = network.schedule(count, rounds)
+    assert order == network.schedule(count, rounds)  # the same in both processes
+    assert len(order) == rounds
+    assert all(sorted(r) == list(range(count)) for r in order)
+    assert all(a != b for a, b in itertools.pairwise(order))  # consecutive rounds differ
+    # Rotations of one list, starting at different runs while there are runs to start at.
+    assert all(r == [(r[0] + i) % count for i in range(count)] for r in order)
+    starts = [r[0] for r in order]
+    assert len(set(starts)) == min(count, rounds)
+    if rounds <= count:  # spread over the list: 15 runs, 3 rounds -> 0, 5, 10
+        assert starts == [k * count // rounds for k in range(rounds)]
+
+
+def test_a_single_run_or_none_still_gets_its_rounds():
+    assert network.schedule(1, 3) == [[0], [0], [0]]
+    assert network.schedule(0, 2) == [[], []]
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--steps"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_rounds_and_steps_below_one_are_refused(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        network.main([flag, value])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def _row(compressor: str, step_ms: list[list[float]], compute=1.0, alone=2.0) -> dict:
+    shape = [len(r) for r in step_ms]
+    row = {
+        "job": "j",
+        "bandwidth": "1gbit",
+        "compressor": compressor,
+        "ratio": 0.01,
+        "parameters": 10,
+        "wire_bytes": 1.0,
+        "hlo_bytes": 1,
+        "samples_s": {
+            "step": [[x / 1e3 for x in r] for r in step_ms],
+            "compute": [[compute / 1e3] * n for n in shape],
+            "alone": [[alone / 1e3] * n for n in shape],
+        },
+    }
+    return network.summarize(row)
+
+
+def test_parts_are_medians_of_paired_steps_with_their_quartiles():
+    row = _row("topk", [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]], 1.0, 4.0)
+    assert (row["rounds"], row["steps"]) == (3, 4)
+    assert row["step_rounds_ms"] == pytest.approx([11.5, 21.5, 31.5])
+    assert row["step_ms"] == pytest.approx(21.5)
+    assert row["step_p25_ms"] == pytest.approx(12.75)  # numpy's linear percentile of 12 steps
+    assert row["step_p75_ms"] == pytest.approx(30.25)
+    assert row["compute_ms"] == pytest.approx(1.0)
+    assert row["compression_ms"] == pytest.approx(3.0)
+    assert row["communication_ms"] == pytest.approx(21.5 - 4.0)
+    for part in network.PARTS:
+        assert row[f"{part}_p25_ms"] <= row[f"{part}_ms"] <= row[f"{part}_p75_ms"]
+
+
+def test_speedups_are_per_round_ratios_so_drift_between_rounds_cancels():
+    # The machine got twice and three times slower in rounds 2 and 3, for everyone alike.
+    dense = _row("dense", [[100, 110, 90], [200, 220, 180], [300, 330, 270]])
+    topk = _row("topk", [[50, 55, 45], [100, 110, 90], [150, 165, 135]])
+    sidco = _row("sidco-e", [[40, 44, 36], [100, 110, 90], [100, 110, 90]])
+    rows = [dense, topk, sidco]
+    network.speedups(rows)
+    assert topk["vs_dense"] == {"median": 2.0, "low": 2.0, "high": 2.0, "rounds": [2.0] * 3}
+    assert sidco["vs_dense"]["rounds"] == pytest.approx([2.5, 2.0, 3.0])
+    assert sidco["vs_dense"]["median"] == pytest.approx(2.5)
+    assert (sidco["vs_dense"]["low"], sidco["vs_dense"]["high"]) == pytest.approx((2.0, 3.0))
+    assert sidco["vs_topk"]["rounds"] == pytest.approx([1.25, 1.0, 1.5])
+    assert dense["vs_topk"]["median"] == pytest.approx(0.5)
+    for row in rows:
+        for speedup in (row["vs_dense"], row["vs_topk"]):
+            assert speedup["low"] <= speedup["median"] <= speedup["high"]
+    table = network.tables(rows, [], [])
+    assert "| 1gbit | 0.01 | sidco-e | 90.0 (44.0-100) | 40.0 / 100 / 100 |" in table
+    assert table.splitlines()[-1].endswith("| 2.50x (2.00-3.00) | 1.25x (1.00-1.50) |")
+    assert "3 rounds x 3 steps per compressor" in table
+
+
+def test_the_crossover_fits_the_median_steps():
+    rows = []
+    for bandwidth, dense_ms in (("100mbit", [1000, 1010, 990]), ("1gbit", [200, 210, 190])):
+        for compressor, ms in (("dense", dense_ms), ("sidco-e", [300, 900, 310])):
+            row = _row(compressor, [ms])  # one round: medians 1000 / 200 and 310
+            rows.append(dict(row, bandwidth=bandwidth))
+    [fit] = network.crossovers(rows)
+    # dense: a + b x through (8e-5 ms/byte, 1000) and (8e-6, 200); sidco-e: flat 310.
+    assert fit["fixed_ms"] == pytest.approx(310)
+    b = (1000 - 200) / (8e-5 - 8e-6)
+    a = 200 - b * 8e-6
+    assert fit["crossover_bits"] == pytest.approx(8e3 * b / (310 - a))
+    assert 1e8 < fit["crossover_bits"] < 1e9  # dense's median step is 310 ms at ~447 Mbit/s
 
 
 SENDER = """
@@ -118,23 +218,53 @@ def test_the_link_carries_tcp_at_its_rate_and_is_removed_on_exit():
     assert not any(pathlib.Path(f"/etc/netns/{name}").exists() for name in link.namespaces)
 
 
+ROUNDS, STEPS = 3, 3  # the fewest that show rotation and a spread; cnn:tiny steps take ms
+
+SPEEDUP = r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)"  # 1.43x (1.38-1.49)
+
+
 @needs_link
-def test_short_benchmark_runs_over_the_link_and_cleans_up(tmp_path):
+def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up(tmp_path):
     before = _ours()
     out = tmp_path / "network.json"
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense sidco-e --ratios 0.05"
-    command = [*BENCHMARK, *options.split(), "--steps", "2", "--json", str(out)]
-    command += ["--timeout", str(LIMIT - 30)]
+    command = [*BENCHMARK, *options.split(), "--rounds", str(ROUNDS), "--steps", str(STEPS)]
+    command += ["--json", str(out), "--timeout", str(LIMIT - 30)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    rows = {row["compressor"]: row for row in json.loads(out.read_text())["rows"]}
+    record = json.loads(out.read_text())
+    rows = {row["compressor"]: row for row in record["rows"]}
     assert set(rows) == {"dense", "sidco-e"}
     for row in rows.values():
+        for kind in ("step", "compute", "alone"):  # rounds x steps samples of each
+            assert [len(r) for r in row["samples_s"][kind]] == [STEPS] * ROUNDS, kind
+        for part in network.PARTS:
+            assert row[f"{part}_p25_ms"] <= row[f"{part}_ms"] <= row[f"{part}_p75_ms"], part
+            assert len(row[f"{part}_rounds_ms"]) == ROUNDS
         assert row["step_ms"] > 0 and row["compute_ms"] > 0
         assert row["wire_bytes"] >= row["hlo_bytes"] > 0  # the payload crossed the veth
+        for speedup in (row["vs_dense"], row["vs_topk"]):
+            assert speedup is None or speedup["low"] <= speedup["median"] <= speedup["high"]
+        assert len(row["vs_dense"]["rounds"]) == ROUNDS
+    assert rows["dense"]["vs_dense"]["rounds"] == [1.0] * ROUNDS
     assert rows["sidco-e"]["hlo_bytes"] < rows["dense"]["hlo_bytes"] / 4
     assert rows["sidco-e"]["wire_bytes"] < rows["dense"]["wire_bytes"]
-    assert "| 100mbit | 0.05 | sidco-e |" in done.stdout
+
+    # Both processes ran the same rotated order, and the blocks really ran in that order.
+    [job] = record["orders"]
+    first, second = job["orders"]
+    assert first == second
+    runs = [["dense", 0.05], ["sidco-e", 0.05]]
+    assert all(sorted(round_) == runs for round_ in first)
+    assert first[0] != first[1] and first[1] != first[2]
+    blocks = sorted(
+        (t, [row["compressor"], row["ratio"]]) for row in rows.values() for t in row["started"]
+    )
+    assert [run for _, run in blocks] == [run for round_ in first for run in round_]
+
+    line = next(x for x in done.stdout.splitlines() if x.startswith("| 100mbit | 0.05 | sidco-e |"))
+    assert re.search(rf"\| {SPEEDUP} \| - \|$", line), line  # vs dense; no top-k here
+    assert f"{ROUNDS} rounds x {STEPS} steps per compressor" in done.stdout
     assert _ours() == before
 
 
