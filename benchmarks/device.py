@@ -1,0 +1,278 @@
+"""Accelerator benchmark: SIDCo vs lax.top_k / approx_max_k vs one pass, in one command.
+
+Times, on one device and on float32 Student-t(3) gradients generated there
+(``jax.random``, so nothing of n floats crosses from the host), what a
+compressor adds to a step: one ``sum(|x|)`` pass (the floor for anything that
+reads the gradient), ``lax.top_k`` and ``lax.approx_max_k`` plus the gather of
+the selected values, SIDCo-E/P/GP (threshold with ``min(3, max_stages)``
+stages + fixed-capacity payload), and the whole jitted optax ``update`` of
+``sidco.compress`` and ``sidco.topk`` (error feedback included; the state is
+built once and reused). Methods run round-robin within each repetition after
+a warm-up, so that machine noise hits all alike; the table reports the median
+and interquartile range in ms, ratios of medians to ``lax.top_k`` and to the
+one pass, and the achieved density of each SIDCo threshold over the target.
+
+A size that fails with an XLA resource error (out of memory) is recorded with
+its error and skipped. No new size starts once the elapsed time plus the time
+the previous size took (a lower bound for a larger one) exceeds ``--budget``.
+Default grid: n = 2^24, 2^25, 2^26 and ratios 0.01, 0.001; on one GPU it is
+meant to finish within 5 minutes, mostly compilation (about 8 s per row on
+two CPU cores, untested on a GPU yet).
+
+    python benchmarks/device.py                          # full grid, <= 5 min on one GPU
+    python benchmarks/device.py --json $OUT/device.json  # table next to it as device.md
+    python benchmarks/device.py --sizes 20 --ratios 0.01 --repeats 5   # CPU smoke run
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import sidco_jax as sidco
+
+VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
+STAGES = 3
+BASE, FLOOR = "lax.top_k", "one pass"
+# Substrings of the messages XLA and the runtimes raise when memory runs out.
+RESOURCE_ERRORS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+
+
+def data(log2_n: int, seed: int) -> jax.Array:
+    """``2**log2_n`` float32 Student-t(3) draws, generated on the default device."""
+    n = 2**log2_n
+    make = jax.jit(lambda key: jax.random.t(key, 3.0, (n,), jnp.float32))
+    return jax.block_until_ready(make(jax.random.fold_in(jax.random.key(seed), log2_n)))
+
+
+def stages(ratio: float) -> int:
+    """The stage count used for every SIDCo variant: ``STAGES`` clipped to the ceiling."""
+    return min(STAGES, sidco.max_stages(ratio))
+
+
+def methods(n: int, ratio: float) -> dict:
+    """Jitted functions of the gradient ``x``, each producing what would be sent."""
+    k = max(math.floor(n * ratio), 1)
+    cap = sidco.capacity(n, ratio)
+    m = stages(ratio)
+
+    def top_k(x):
+        _, idx = lax.top_k(jnp.abs(x), k)
+        return x[idx], idx
+
+    def approx_max_k(x):
+        _, idx = lax.approx_max_k(jnp.abs(x), k)
+        return x[idx], idx
+
+    out = {
+        FLOOR: jax.jit(lambda x: jnp.sum(jnp.abs(x))),
+        BASE: jax.jit(top_k),
+        "lax.approx_max_k": jax.jit(approx_max_k),
+    }
+    for name, estimator in VARIANTS.items():
+
+        def compress(x, estimator=estimator):
+            eta = sidco.threshold(x, ratio, estimator=estimator, stages=m)
+            return sidco.sparsify(x, eta, cap)
+
+        out[name] = jax.jit(compress)
+    return out
+
+
+def updates(x: jax.Array, ratio: float) -> dict:
+    """Jitted optax ``update`` on ``{"w": x}``, as functions of ``x`` with a fixed state."""
+    out = {}
+    for name, tx in {
+        "update sidco-e": sidco.compress(ratio),
+        "update topk": sidco.topk(ratio),
+    }.items():
+        update = jax.jit(tx.update)
+        state = jax.block_until_ready(tx.init({"w": x}))
+        out[name] = lambda x, update=update, state=state: update({"w": x}, state)
+    return out
+
+
+def densities(fns: dict, x: jax.Array, ratio: float) -> dict[str, float]:
+    """Achieved density of each SIDCo threshold, ``mean(|x| > eta)``, over ``ratio``.
+
+    Read from the payload's ``selected`` count, so that nothing is compiled again.
+    """
+    return {name: int(fns[name](x).selected) / x.size / ratio for name in VARIANTS}
+
+
+def measure(fns: dict, x: jax.Array, repeats: int) -> dict[str, dict[str, float]]:
+    """Milliseconds of each function (median, p25, p75), round-robin after warm-up.
+
+    The warm-up call (compilation included) is reported as ``first``.
+    """
+    first = {}
+    for name, f in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(f(x))
+        first[name] = (time.perf_counter() - start) * 1e3
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f(x))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, t in times.items():
+        p25, median, p75 = np.percentile(t, [25, 50, 75])
+        out[name] = {
+            "median": float(median),
+            "p25": float(p25),
+            "p75": float(p75),
+            "first": float(first[name]),
+        }
+    return out
+
+
+def run_size(log2_n: int, ratios: list[float], repeats: int, seed: int, rows: list[dict]) -> None:
+    """Appends one row per ratio for ``n = 2**log2_n`` to ``rows`` as it goes."""
+    x = data(log2_n, seed)
+    n = x.size
+    for ratio in ratios:
+        fns = {**methods(n, ratio), **updates(x, ratio)}
+        ms = measure(fns, x, repeats)
+        base, floor = ms[BASE]["median"], ms[FLOOR]["median"]
+        rows.append(
+            {
+                "log2_n": log2_n,
+                "n": n,
+                "ratio": ratio,
+                "k": max(math.floor(n * ratio), 1),
+                "capacity": sidco.capacity(n, ratio),
+                "stages": stages(ratio),
+                "ms": ms,
+                "vs_top_k": {name: t["median"] / base for name, t in ms.items()},
+                "vs_one_pass": {name: t["median"] / floor for name, t in ms.items()},
+                "density": densities(fns, x, ratio),
+            }
+        )
+        del fns
+        print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+
+
+def is_resource_error(error: BaseException) -> bool:
+    """Whether ``error`` is XLA (or the runtime) running out of memory."""
+    return any(s in str(error) for s in RESOURCE_ERRORS)
+
+
+def table(rows: list[dict], notes: list[str] = ()) -> str:
+    """Markdown table, one line per (row, method); ``notes`` follow it as plain lines."""
+    lines = [
+        "| n | ratio | method | median ms | p25 | p75 | / top_k | / one pass | density / ratio |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name, t in row["ms"].items():
+            density = row["density"].get(name)
+            density = "" if density is None else f"{density:.2f}"
+            lines.append(
+                f"| 2^{row['log2_n']} | {row['ratio']} | {name} | {t['median']:.3f} "
+                f"| {t['p25']:.3f} | {t['p75']:.3f} | {row['vs_top_k'][name]:.3f} "
+                f"| {row['vs_one_pass'][name]:.1f} | {density} |"
+            )
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[24, 25, 26], help="log2 of n")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs after warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=270.0,
+        help="seconds; no new size starts once elapsed + the previous size's time exceeds it",
+    )
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/device.json"))
+    parser.add_argument("--table", type=Path, default=None, help="markdown (default: JSON's .md)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    table_path = args.table if args.table is not None else args.json.with_suffix(".md")
+
+    device = jax.devices()[0]
+    print(f"# {jax.default_backend()} ({device.device_kind}), jax {jax.__version__}", flush=True)
+    rows, errors, skipped = [], [], []
+    start = time.perf_counter()
+    previous = 0.0
+    for log2_n in args.sizes:
+        elapsed = time.perf_counter() - start
+        if elapsed + previous > args.budget:
+            skipped.append(log2_n)
+            print(
+                f"budget: {elapsed:.1f} s + {previous:.1f} s > {args.budget:g} s, "
+                f"skipping n = 2^{log2_n}",
+                flush=True,
+            )
+            continue
+        begin = time.perf_counter()
+        try:
+            run_size(log2_n, args.ratios, args.repeats, args.seed, rows)
+        except Exception as error:
+            if not is_resource_error(error):
+                raise
+            message = str(error).strip().splitlines()[0][:500]
+            done = [r["ratio"] for r in rows if r["log2_n"] == log2_n]
+            errors.append({"log2_n": log2_n, "n": 2**log2_n, "ratios_done": done, "error": message})
+            print(f"n = 2^{log2_n}: resource error, going on: {message}", flush=True)
+        if errors and errors[-1]["log2_n"] == log2_n:
+            gc.collect()  # outside the handler: the traceback no longer holds the buffers
+            jax.clear_caches()
+        previous = time.perf_counter() - begin
+    total = time.perf_counter() - start
+
+    notes = [f"n = 2^{e['log2_n']}: {e['error']}" for e in errors]
+    if skipped:
+        notes.append(
+            f"budget of {args.budget:g} s exceeded: skipped n = "
+            + ", ".join(f"2^{s}" for s in skipped)
+        )
+    notes.append(f"total {total:.0f} s")
+    text = table(rows, notes)
+    print()
+    print(text)
+
+    meta = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(device.device_kind),
+        "device_count": jax.device_count(),
+        "machine": platform.machine(),
+        "repeats": args.repeats,
+        "stages": STAGES,
+        "seed": args.seed,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv if argv is None else ["benchmarks/device.py", *argv]),
+        "budget_s": args.budget,
+        "total_s": total,
+    }
+    result = {"meta": meta, "rows": rows, "errors": errors, "skipped_sizes": skipped}
+    for path in (args.json, table_path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    table_path.write_text(text + "\n")
+    print(f"\nwrote {args.json} and {table_path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
