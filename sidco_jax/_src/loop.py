@@ -125,6 +125,21 @@ def residual_like(params, error_feedback: bool = True):
     return jax.tree.map(zero, params)
 
 
+def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.Array:
+    """``x`` with ``values`` subtracted at row-major ``flat_index`` (``x.size``: dropped).
+
+    Indexed in ``x``'s own shape, so XLA updates it in place in its buffer.
+    """
+    if x.size == 0:
+        return x
+    index, rest = [], flat_index
+    for dim in reversed(x.shape[1:]):
+        index.append(rest % dim)
+        rest = rest // dim
+    index.append(rest)  # the padding index x.size lands past the first axis: dropped
+    return x.at[tuple(reversed(index))].add(-values, mode="drop")
+
+
 def _abs_sum(pair, zero):
     g, r = pair
     return jnp.abs(g.astype(jnp.float32) + r) + zero
@@ -185,14 +200,17 @@ def sparsifier(
         if not float_at:
             return updates, state._replace(count=state.count + 1)
         grads = [jnp.asarray(leaves[i]) for i in float_at]
-        flat = [g.reshape(-1) for g in grads]
         sizes = [g.size for g in grads]
         n = sum(sizes)
+        # Everything full-size keeps the residual's shapes (the leaf's, at least
+        # 1-D): a reshape between the in-place write-back and the donated state
+        # would cost XLA a copy of every multi-dimensional leaf.
         if error_feedback:
-            old = [r.reshape(-1) for r in jax.tree.leaves(state.residual)]
+            old = jax.tree.leaves(state.residual)
             old = [old[i] for i in float_at]
         else:
-            old = [jnp.zeros((), jnp.float32)] * len(flat)
+            old = [jnp.zeros(np.shape(g) or (1,), jnp.float32) for g in grads]
+        flat = [g.reshape(r.shape) for g, r in zip(grads, old, strict=True)]
 
         # First pass, fused with the residual add: sum(|g + r|) per leaf, for
         # the finite check and for the rules' statistics.
@@ -210,7 +228,9 @@ def sparsifier(
         groups = [list(range(len(u)))] if granularity == "model" else [[i] for i in range(len(u))]
         keys = jax.random.split(key, len(groups))
         chosen = [
-            rule.select([u[i] for i in group], abs_sums[np.asarray(group)], state.rule, k)
+            rule.select(
+                [u[i].reshape(-1) for i in group], abs_sums[np.asarray(group)], state.rule, k
+            )
             for group, k in zip(groups, keys, strict=True)
         ]
         etas = (
@@ -261,7 +281,7 @@ def sparsifier(
             # What this device did not send stays in its residual, exactly:
             # the sent entries are subtracted in place, leaf by leaf.
             left = [
-                x.at[local].add(-values, mode="drop")
+                _subtract_at(x, local, values)
                 for x, local in zip(
                     u, payload_lib.local_indices(payload.indices, sizes), strict=True
                 )
@@ -274,7 +294,7 @@ def sparsifier(
         if error_feedback:
             residual_leaves = jax.tree.leaves(state.residual)
             for i, x in zip(float_at, left, strict=True):
-                residual_leaves[i] = x.reshape(residual_leaves[i].shape)
+                residual_leaves[i] = x
             residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual_leaves)
 
         last = step_metrics(ratio, sent, selected, n * devices, etas, message, finite)

@@ -127,6 +127,60 @@ def block_words(x: jax.Array, threshold: jax.Array, after=None) -> jax.Array:
     return words
 
 
+def _add_all(a, b):
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+def count_and_sums(
+    xs: Operands,
+    threshold: jax.Array,
+    terms: Sequence[Term],
+    scalars: Sequence[jax.Array] = (),
+    after=None,
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Count of ``|x| > threshold`` and the sum of each term, in one pass per array.
+
+    One variadic row reduction over words of 32 entries computes the int32
+    count and the float32 sums together (separate passes cost about twice as
+    much on XLA's CPU backend), then the rows are summed.
+
+    Args:
+      xs: an array or a sequence of arrays (each reduced over all entries).
+      threshold: scalar magnitude threshold of the count.
+      terms: elementwise functions ``term(x, zero, *scalars)`` to sum.
+      scalars: scalar operands of the terms.
+      after: optional array the first pass is ordered after.
+
+    Returns:
+      ``(count, sums)``: the int32 count and one float32 sum per term.
+    """
+    token = jnp.zeros((), jnp.float32) if after is None else after
+    count, sums = jnp.zeros((), jnp.int32), [jnp.zeros((), jnp.float32)] * len(terms)
+    for x in as_list(xs):
+        x = jnp.ravel(x)
+        xb, tb, sb, zero, _ = lax.optimization_barrier(
+            (x, threshold, tuple(scalars), jnp.zeros((), jnp.float32), token)
+        )
+        n = xb.shape[0]
+        full = n // WORD
+        parts = []
+        for v, axis in ((xb[: full * WORD].reshape(full, WORD), 1), (xb[full * WORD :], 0)):
+            if v.size == 0:
+                continue
+            above = (jnp.abs(v) > tb).astype(jnp.int32)
+            values = [term(v, zero, *sb).astype(jnp.float32) for term in terms]
+            inits = (jnp.int32(0), *[jnp.float32(0)] * len(terms))
+            rows = lax.reduce((above, *values), inits, _add_all, (axis,))
+            parts.append([jnp.sum(r) for r in rows])
+            if axis == 1:  # keep the tail out of the main fusion
+                parts[-1] = list(lax.optimization_barrier(parts[-1]))
+        for part in parts:
+            count = count + part[0]
+            sums = [a + b for a, b in zip(sums, part[1:], strict=True)]
+        token = sums[0] if terms else count.astype(jnp.float32)
+    return count, sums
+
+
 def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:
     """Exact int32 count of ``|x| > threshold`` over all of ``xs``, one pass each."""
     total = jnp.zeros((), jnp.int32)

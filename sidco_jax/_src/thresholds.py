@@ -88,12 +88,12 @@ _FIRST: dict[str, Callable] = {
 def _next_stage(x, eta, scale, q_total, estimator):
     """One peak-over-threshold refinement of ``eta`` (in units of ``scale``)."""
     n = passes.size(x)
-    count = passes.count_above(x, eta * scale, after=eta)
     inv = 1.0 / scale
     terms = [_excess]
     if estimator != "exponential":
         terms.append(lambda v, z, s, e: _excess(v, z, s, e) ** 2)
-    sums = passes.reduce_each(x, terms, [inv, eta], count.astype(jnp.float32))
+    # One pass: the exceedances' count and sums together.
+    count, sums = passes.count_and_sums(x, eta * scale, terms, [inv, eta], after=eta)
     if estimator == "exponential":
         fit, isf = fits.exponential_from_sums(count, sums[0]), fits.exponential_isf
     else:
@@ -115,7 +115,8 @@ def threshold(
     """The magnitude threshold that about ``ratio`` of the entries of ``x`` exceed.
 
     Pure and jittable; costs one pass over ``x`` for the first stage (two for
-    ``"gpareto"``, three for ``"gamma"``) and two (three) per later stage.
+    ``"gpareto"``, three for ``"gamma"``) and one per later stage (its count
+    and sums in one variadic reduction).
 
     Args:
       x: array of any shape and float dtype, or a pytree of them (a gradient
