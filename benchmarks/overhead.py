@@ -1,39 +1,157 @@
-"""Compression overhead: SIDCo vs lax.top_k vs one pass over the gradient.
+"""Compression overhead, measured side by side: kernels, whole updates, phases, training steps.
 
-Times, in one process and on the same arrays, the work a compressor adds to a
-step: SIDCo-E/P/GP (threshold + fixed-capacity payload), ``lax.top_k`` plus
-the same payload (values gathered at its indices), the naive
-``jnp.nonzero(size=capacity)`` payload for reference, and one ``sum(|x|)``
-pass, which is the floor for anything that reads the gradient. Methods run
-round-robin within each repetition so that machine noise hits all alike;
-the table reports medians and ratios to top-k and to the one pass.
+Every mode times its methods in one process on the same arrays, round-robin
+within each repetition so that machine noise hits all alike, and reports the
+median with its interquartile range and ratios taken in the same run.
 
-    python benchmarks/overhead.py                      # full grid, ~5 min on 2 cores
-    python benchmarks/overhead.py --sizes 20 --ratios 0.01 --repeats 5
-    python benchmarks/overhead.py --transforms    # every compressor's optax update
+* ``kernels``: SIDCo-E/P/GP threshold + fixed-capacity payload on one flat
+  vector against ``lax.top_k`` (plus the same gather), the naive
+  ``jnp.nonzero(size=capacity)`` payload and one ``sum(|x|)`` pass.
+* ``updates``: the whole ``jax.jit(tx.update)`` of every registered compressor
+  (error feedback, selection, write-back, metrics), on a gradient *tree* and on
+  the same gradient as one flat leaf, with SIDCo-E's bare threshold + payload
+  and one pass over the gradient for scale, and the compiled temporary bytes
+  of each update (``Compiled.memory_analysis()``) in gradient sizes.
+* ``phases``: SIDCo-E's update cut into its phases (error-feedback add with
+  the first pass, threshold, payload, aggregation, write-back), each jitted
+  alone on the previous phase's outputs, beside the whole update.
+* ``step``: the whole local training step of an example model (gradient +
+  update + ``optax.apply_updates``), against the gradient alone.
+* ``axis``: the whole update over a 2-device mesh axis, under ``jax.shard_map``
+  and under ``jax.pmap``, each device holding its own gradient already (run
+  with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` on CPU).
+
+Gradients (``--source``): ``flat:L`` is a Student-t(3) vector of 2^L entries
+cut into two flat leaves; ``lm:large``, ``lm:default``, ``cnn:default`` ... are
+real gradients of the examples' models (their parameter trees).
+
+    python benchmarks/overhead.py kernels --sizes 20 22 24 --ratios 0.01 0.001
+    python benchmarks/overhead.py updates --source lm:large flat:24 --ratios 0.001
+    python benchmarks/overhead.py phases --source lm:large
+    python benchmarks/overhead.py step --source lm:large cnn:default
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+        python benchmarks/overhead.py axis --source flat:24
+    taskset -c 0 python benchmarks/overhead.py updates --source lm:large   # one core
 """
 
 import argparse
+import functools
+import importlib
 import json
 import math
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
-import sidco_jax as sidco
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the examples' models, for the real parameter trees
+
+import sidco_jax as sidco  # noqa: E402
+from sidco_jax._src import aggregate, passes, thresholds  # noqa: E402
+from sidco_jax._src import payload as payload_lib  # noqa: E402
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
+MODES = ("kernels", "updates", "phases", "step", "axis")
 
 
-def methods(n: int, ratio: float, stages: list[int], factor: float) -> dict:
-    """Jitted functions of the gradient, each producing what would be sent."""
+# ----------------------------------------------------------------------------- timing
+
+
+def measure(fns: dict, args: tuple, repeats: int) -> dict[str, dict]:
+    """Median and quartiles (ms) of each ``fn(*args)``, interleaved round-robin after warm-up."""
+    for f in fns.values():
+        jax.block_until_ready(f(*args))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {
+        name: {
+            "median": float(np.median(t)),
+            "p25": float(np.percentile(t, 25)),
+            "p75": float(np.percentile(t, 75)),
+        }
+        for name, t in times.items()
+    }
+
+
+def one_pass(grads):
+    """One ``sum(|x|)`` pass over every leaf: the floor for anything that reads the gradient."""
+    return sum(jnp.sum(jnp.abs(g)) for g in jax.tree.leaves(grads))
+
+
+def carried(update, state):
+    """``update(grads, state)`` as training runs it: the state donated and carried along.
+
+    Donation lets the new residual reuse the old one's buffers, as in the examples' steps.
+    """
+    update = jax.jit(update, donate_argnums=1)
+    box = [state]
+
+    def call(grads):
+        out, box[0] = update(grads, box[0])
+        return out
+
+    return call
+
+
+def temp_bytes(fn, *args) -> int:
+    """Compiled temporary bytes of ``jax.jit(fn)(*args)``."""
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis is not None else 0
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def example(job: str):
+    """``(task, config)`` of an example job such as ``"lm:large"``."""
+    model, name = job.split(":")
+    config = importlib.import_module(f"examples.{model}.configs.{name}").get_config()
+    task = importlib.import_module(f"examples.{model}.train").task(config)
+    return task, config
+
+
+def gradient(source: str):
+    """The gradient tree named by ``source`` (see the module docstring), on the device."""
+    if source.startswith("flat:"):
+        n = 2 ** int(source.split(":")[1])
+        x = np.random.default_rng(0).standard_t(3, size=n).astype(np.float32)
+        return {"a": jnp.asarray(x[: n // 2]), "b": jnp.asarray(x[n // 2 :])}
+    task, config = example(source)
+    params = task.init(config.seed)
+    batch = jax.tree.map(
+        jnp.asarray, task.sample(np.random.default_rng(0), config.batch_per_device)
+    )
+    return jax.jit(jax.grad(task.loss))(params, batch)
+
+
+def flat_copy(grads) -> jax.Array:
+    """The same gradient as one flat float32 leaf (concatenated once, on the host)."""
+    return jnp.asarray(np.concatenate([np.ravel(np.asarray(g)) for g in jax.tree.leaves(grads)]))
+
+
+def size(grads) -> int:
+    return sum(int(np.size(g)) for g in jax.tree.leaves(grads))
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def kernels(n: int, ratio: float, stages: list[int], capacity_factor: float) -> dict:
+    """Jitted functions of one flat gradient, each producing what would be sent."""
     k = max(math.floor(n * ratio), 1)
-    cap = sidco.capacity(n, ratio, factor)
+    cap = sidco.capacity(n, ratio, capacity_factor)
 
     def topk(x):
         _, idx = lax.top_k(jnp.abs(x), k)
@@ -61,93 +179,277 @@ def methods(n: int, ratio: float, stages: list[int], factor: float) -> dict:
     return out
 
 
-def transforms(ratio: float) -> dict:
-    """Jitted ``update`` of every compressor on a flat gradient, state included."""
-    out = {}
+def updates(grads, ratio: float) -> tuple[dict, dict]:
+    """Whole updates of every compressor on ``grads``, with the one pass and SIDCo-E's kernel.
+
+    Returns the jitted calls of ``grads`` and each update's temporary bytes.
+    """
+    n = size(grads)
+    cap = sidco.capacity(n, ratio)
+    stages = min(3, sidco.max_stages(ratio))
+
+    def bare(g):
+        eta = sidco.threshold(g, ratio, stages=stages)
+        return sidco.sparsify(g, eta, cap)
+
+    calls = {"one pass": jax.jit(one_pass), "sidco-e threshold+payload": jax.jit(bare)}
+    memory = {}
     for name in sidco.COMPRESSORS:
         tx = sidco.compressor(name, ratio)
-        out["top_k" if name == "topk" else name] = (jax.jit(tx.update), tx.init)
+        calls[name] = carried(tx.update, tx.init(grads))
+        memory[name] = temp_bytes(tx.update, grads, tx.init(grads))
+    return calls, memory
+
+
+def phases(grads, ratio: float) -> dict:
+    """SIDCo-E's update on ``grads`` in its phases, each a jitted function of the last's output."""
+    leaves = [g.reshape(-1) for g in jax.tree.leaves(grads)]
+    sizes = [v.shape[0] for v in leaves]
+    n = sum(sizes)
+    cap = sidco.capacity(n, ratio)
+    stages = min(3, sidco.max_stages(ratio))
+    residual = [jnp.zeros_like(v) for v in leaves]
+
+    def add(g, r):
+        pairs = list(zip(g, r, strict=True))
+        sums = jnp.stack(
+            passes.reduce_parts(pairs, lambda p, z: jnp.abs(p[0] + p[1]) + z),
+        )
+        finite = jnp.all(jnp.isfinite(sums))
+        return [jnp.where(finite, a + b, b) for a, b in pairs], sums
+
+    def threshold(u, sums):
+        return thresholds.from_abs_sum(u, jnp.sum(sums), ratio, "exponential", stages, 0.25)
+
+    def payload(u, eta):
+        return payload_lib.select_above(u, eta, cap)
+
+    def aggregation(p):
+        return aggregate.mean(p, sizes, None, "sparse")
+
+    def write_back(u, p):
+        local = payload_lib.local_indices(p.indices, sizes)
+        return [x.at[i].add(-p.values, mode="drop") for x, i in zip(u, local, strict=True)]
+
+    jitted = {f.__name__: jax.jit(f) for f in (add, threshold, payload, aggregation, write_back)}
+    u, sums = jitted["add"](leaves, residual)
+    eta = jitted["threshold"](u, sums)
+    p = jitted["payload"](u, eta)
+    tx = sidco.compress(ratio)
+    return {
+        "one pass": (jax.jit(one_pass), (grads,)),
+        "whole update": (carried(tx.update, tx.init(grads)), (grads,)),
+        "1 error-feedback add + first pass": (jitted["add"], (leaves, residual)),
+        "2 threshold": (jitted["threshold"], (u, sums)),
+        "3 payload": (jitted["payload"], (u, eta)),
+        "4 aggregation (local densify)": (jitted["aggregation"], (p,)),
+        "5 write-back": (jitted["write_back"], (u, p)),
+    }
+
+
+def steps(job: str, ratio: float, names: list[str]) -> tuple[dict, tuple]:
+    """The whole local training step of an example model, per compressor, and its arguments."""
+    task, config = example(job)
+    params = task.init(config.seed)
+    batch = jax.tree.map(
+        jnp.asarray, task.sample(np.random.default_rng(0), config.batch_per_device)
+    )
+    calls = {"gradient alone": jax.jit(lambda p, s, b: jax.grad(task.loss)(p, b))}
+    for name in names:
+        tx = optax.chain(sidco.compressor(name, ratio), optax.sgd(config.learning_rate))
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, state, batch, tx=tx):
+            grads = jax.grad(task.loss)(params, batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        # As training runs it: parameters and state donated and carried along.
+        box = [jax.tree.map(jnp.copy, params), tx.init(params)]
+
+        def call(p, s, b, step=step, box=box):
+            box[0], box[1] = step(box[0], box[1], b)
+            return box[0]
+
+        calls[name] = call
+    return calls, (params, None, batch)
+
+
+def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
+    """Each compressor's update averaging over 2 devices, under shard_map and pmap.
+
+    ``grads`` is one device's gradient; the other device gets it negated and
+    shifted, so the payloads differ. Returns the calls and their argument.
+    """
+    devices = jax.devices()[:2]
+    if len(devices) < 2:
+        raise SystemExit(
+            "axis mode needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2"
+        )
+    mesh = jax.make_mesh((2,), ("data",), devices=devices)
+    stacked = jax.tree.map(lambda g: jnp.stack([g, 0.5 - g]), grads)
+    sharded = jax.device_put(stacked, jax.NamedSharding(mesh, jax.P("data")))
+    calls = {}
+    for name in names:
+        tx = sidco.compressor(name, ratio, axis_name="data")
+        state = sidco.shard_init(tx, jax.tree.map(lambda g: g[0], stacked), mesh, "data")
+        specs = sidco.state_specs(state, "data")
+
+        def local(g, state, tx=tx):
+            return tx.update(jax.tree.map(lambda x: x[0], g), state)
+
+        step = jax.jit(
+            jax.shard_map(
+                local, mesh=mesh, in_specs=(jax.P("data"), specs), out_specs=(jax.P(), specs)
+            )
+        )
+        calls[f"{name} shard_map"] = lambda g, step=step, state=state: step(g, state)
+
+        per_device = jax.pmap(tx.init, axis_name="data", devices=devices)(stacked)
+        update = jax.pmap(tx.update, axis_name="data", devices=devices)
+        # An identity pmap leaves each device's gradient resident where pmap wants it.
+        resident = jax.pmap(lambda g: g, devices=devices)(stacked)
+        calls[f"{name} pmap"] = lambda g, u=update, s=per_device, r=resident: u(r, s)
+    return calls, (sharded,)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def ratio_columns(ms: dict, base: str | None, floor: str | None) -> dict:
+    out = {}
+    for name, t in ms.items():
+        out[name] = {
+            **t,
+            "/ base": t["median"] / ms[base]["median"] if base in ms else None,
+            "/ one pass": t["median"] / ms[floor]["median"] if floor in ms else None,
+        }
     return out
-
-
-def measure_transforms(fns: dict, x: jax.Array, repeats: int) -> dict[str, float]:
-    """Like :func:`measure` for ``update(x, state)``; the state is built once per method."""
-    states = {name: init(x) for name, (_, init) in fns.items()}
-    calls = {name: (lambda x, f=f, s=states[name]: f(x, s)) for name, (f, _) in fns.items()}
-    calls = {"one pass": jax.jit(lambda x: jnp.sum(jnp.abs(x))), **calls}
-    return measure(calls, x, repeats)
-
-
-def measure(fns: dict, x: jax.Array, repeats: int) -> dict[str, float]:
-    """Median milliseconds of each function, interleaved round-robin after warm-up."""
-    for f in fns.values():
-        jax.block_until_ready(f(x))
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(x))
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| n | ratio | method | ms | / top_k | / one pass |",
-        "|---|---|---|---:|---:|---:|",
+        "| mode | source | ratio | method | ms (median) | p25-p75 | / base | / one pass "
+        "| temp bytes / gradient |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        base, floor = row["ms"]["top_k"], row["ms"]["one pass"]
-        for name, ms in row["ms"].items():
+        for name, t in row["ms"].items():
+            base = f"{t['/ base']:.3f}" if t["/ base"] is not None else ""
+            floor = f"{t['/ one pass']:.1f}" if t["/ one pass"] is not None else ""
+            memory = row.get("temp", {}).get(name)
+            memory = f"{memory:.2f}" if memory is not None else ""
             lines.append(
-                f"| 2^{row['log2_n']} | {row['ratio']} | {name} | {ms:.2f} "
-                f"| {ms / base:.3f} | {ms / floor:.1f} |"
+                f"| {row['mode']} | {row['source']} | {row['ratio']} | {name} "
+                f"| {t['median']:.2f} | {t['p25']:.2f}-{t['p75']:.2f} | {base} | {floor} "
+                f"| {memory} |"
             )
     return "\n".join(lines)
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[20, 22, 24], help="log2 of n")
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.01, 0.001])
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 3], help="stage counts")
-    parser.add_argument("--capacity-factor", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs after warm-up (>= 5)")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/overhead.json"))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("mode", choices=MODES, help="what to time (see the module docstring)")
     parser.add_argument(
-        "--transforms",
-        action="store_true",
-        help="time the optax update of every compressor (error feedback and state included) "
-        "instead of the bare threshold + payload",
+        "--source",
+        nargs="+",
+        default=["flat:24", "lm:large"],
+        help="gradients for updates/phases/step: flat:L (2^L entries in two leaves) or an "
+        "example job such as lm:large or cnn:default (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[20, 22, 24], help="kernels: log2 of n"
+    )
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.001], help="densities")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 3], help="kernels: stages")
+    parser.add_argument("--capacity-factor", type=float, default=1.0, help="kernels: headroom")
+    parser.add_argument(
+        "--compressors",
+        nargs="+",
+        default=["dense", "sidco-e", "sidco-p", "sidco-gp", "topk", "dgc"],
+        choices=sidco.COMPRESSORS,
+        help="step: compressors to train with (default: %(default)s)",
+    )
+    parser.add_argument("--repeats", type=int, default=9, help="timed runs after warm-up")
+    parser.add_argument(
+        "--json", type=Path, help="where to write the results (default: benchmarks/results/)"
     )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     rows = []
-    rng = np.random.default_rng(0)
-    for log2_n in args.sizes:
-        x = jnp.asarray(rng.standard_t(3, size=2**log2_n).astype(np.float32))
-        for ratio in args.ratios:
-            if args.transforms:
-                ms = measure_transforms(transforms(ratio), x, args.repeats)
-                ms["top_k"] = ms.pop("top_k")  # keep the column the ratios are taken against
-            else:
-                fns = methods(x.size, ratio, args.stages, args.capacity_factor)
-                ms = measure(fns, x, args.repeats)
-            rows.append({"log2_n": log2_n, "ratio": ratio, "ms": ms})
-            print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+    for ratio in args.ratios:
+        if args.mode == "kernels":
+            rng = np.random.default_rng(0)
+            for log2_n in args.sizes:
+                x = jnp.asarray(rng.standard_t(3, size=2**log2_n).astype(np.float32))
+                fns = kernels(x.size, ratio, args.stages, args.capacity_factor)
+                ms = ratio_columns(measure(fns, (x,), args.repeats), "top_k", "one pass")
+                rows.append({"mode": "kernels", "source": f"2^{log2_n}", "ratio": ratio, "ms": ms})
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+            continue
+        for source in args.source:
+            if args.mode == "step":
+                calls, call_args = steps(source, ratio, args.compressors)
+                ms = measure(calls, call_args, args.repeats)
+                row = {"mode": "step", "source": source, "ratio": ratio}
+                rows.append({**row, "ms": ratio_columns(ms, "dense", None)})
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+                continue
+            grads = gradient(source)
+            nbytes = 4 * size(grads)
+            if args.mode == "axis":
+                names = [c for c in args.compressors if c != "dense"] + ["dense"]
+                calls, call_args = over_axis(grads, ratio, names)
+                ms = ratio_columns(measure(calls, call_args, args.repeats), "topk shard_map", None)
+                rows.append({"mode": "axis", "source": source, "ratio": ratio, "ms": ms})
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+                continue
+            shapes = [tuple(np.shape(g)) for g in jax.tree.leaves(grads)]
+            if args.mode == "phases":
+                fns = phases(grads, ratio)
+                times = {}
+                for name, (f, f_args) in fns.items():  # own arguments each: one at a time
+                    times[name] = measure({name: f}, f_args, args.repeats)[name]
+                ms = ratio_columns(times, "whole update", "one pass")
+                rows.append({"mode": "phases", "source": source, "ratio": ratio, "ms": ms})
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+                continue
+            variants = {"tree": grads}
+            if len(shapes) > 1 and not source.startswith("flat:"):
+                variants["one flat leaf"] = flat_copy(grads)
+            for label, g in variants.items():
+                calls, memory = updates(g, ratio)
+                ms = ratio_columns(measure(calls, (g,), args.repeats), "topk", "one pass")
+                rows.append(
+                    {
+                        "mode": "updates",
+                        "source": f"{source} ({label})" if len(variants) > 1 else source,
+                        "ratio": ratio,
+                        "leaves": len(shapes),
+                        "ms": ms,
+                        "temp": {k: v / nbytes for k, v in memory.items()},
+                    }
+                )
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
     print()
     print(table(rows))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     meta = {
+        "command": " ".join(["python", "benchmarks/overhead.py", *(argv or sys.argv[1:])]),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "machine": platform.machine(),
+        "cores": len(os.sched_getaffinity(0)),
         "repeats": args.repeats,
-        "capacity_factor": args.capacity_factor,
     }
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\nwrote {args.json}")
+    path = args.json or ROOT / "benchmarks" / "results" / f"overhead_{args.mode}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {path}")
     return rows
 
 
