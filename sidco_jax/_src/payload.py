@@ -26,6 +26,7 @@ in ``docs/benchmarks.md``.
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +155,7 @@ def lax_popcount(words: jax.Array) -> jax.Array:
     return jax.lax.population_count(words).astype(jnp.int32)
 
 
-def sparsify(x, threshold: jax.Array, capacity: int) -> Payload:
+def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
     """The entries of ``x`` with ``|x| > threshold``, packed into ``capacity`` slots.
 
     Args:
