@@ -65,10 +65,6 @@ def _top_k(vectors, k: int, capacity: int, selected) -> tuple[payload_lib.Payloa
     return payload, jnp.min(mags)
 
 
-def _size(vectors) -> int:
-    return sum(v.shape[0] for v in vectors)
-
-
 def topk(
     ratio: float,
     *,
@@ -100,7 +96,7 @@ def topk(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
-        k = _k(_size(vectors), ratio)
+        k = _k(passes.size(vectors), ratio)
         payload, kth = _top_k(vectors, k, k, k)
         return Selection(payload, kth, k * SLOT_BYTES)
 
@@ -148,7 +144,7 @@ def dgc(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
-        n = _size(vectors)
+        n = passes.size(vectors)
         k = _k(n, ratio)
         cap = min(math.ceil(4 * k / 3), n)
         # Each vector sampled in proportion to its size (stratified by leaf).
@@ -217,7 +213,7 @@ def redsync(
 
     def select(vectors, abs_sums, state, key):
         del state, key
-        n = _size(vectors)
+        n = passes.size(vectors)
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
         total = jnp.sum(abs_sums)
@@ -290,7 +286,7 @@ def gaussiank(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
-        n = _size(vectors)
+        n = passes.size(vectors)
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
         total, squares = passes.reduce_each(vectors, [lambda v, z: v + z, lambda v, z: v * v + z])
@@ -351,7 +347,7 @@ def randomk(
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
-        n = _size(vectors)
+        n = passes.size(vectors)
         k = _k(n, ratio)
         # k strata of n // k entries, the first n % k of them one longer (exact in int32).
         j = jnp.arange(k, dtype=jnp.int32)

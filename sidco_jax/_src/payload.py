@@ -123,7 +123,7 @@ def select_above(vectors: Sequence[jax.Array], threshold: jax.Array, capacity: i
             words.append(passes.block_words(v, threshold.astype(v.dtype), after))
             after = words[-1]
     words = jnp.concatenate(words) if len(words) > 1 else words[0]
-    cumulative = _cumsum(lax_popcount(words), passes.WORD)
+    cumulative = _cumsum(jax.lax.population_count(words).astype(jnp.int32), passes.WORD)
     selected = cumulative[-1]
 
     slot = jnp.arange(1, capacity + 1, dtype=jnp.int32)  # 1-based rank of the entry
@@ -148,11 +148,6 @@ def select_above(vectors: Sequence[jax.Array], threshold: jax.Array, capacity: i
     indices = jnp.where(filled, first + column, n).astype(jnp.int32)
     values = jnp.where(filled, gather(vectors, indices), jnp.zeros((), dtype))
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
-
-
-def lax_popcount(words: jax.Array) -> jax.Array:
-    """Set bits of each uint32 word, as int32."""
-    return jax.lax.population_count(words).astype(jnp.int32)
 
 
 def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
