@@ -180,11 +180,6 @@ def is_float(leaf) -> bool:
     return jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
 
 
-def concrete(value):
-    """``value`` as a NumPy array, or None if traced (``optax.inject_hyperparams``)."""
-    return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
-
-
 def static(name: str, value):
     """Returns ``value``, or raises a clear error if a shape-setting option is traced."""
     if isinstance(value, jax.core.Tracer):
@@ -195,25 +190,142 @@ def static(name: str, value):
     return value
 
 
-def check_ratio(ratio, name: str = "ratio") -> None:
-    """Raises ``ValueError`` unless a concrete ``ratio`` lies in (0, 1]."""
-    if isinstance(ratio, jax.core.Tracer):
-        return
-    value = float(ratio)
-    if not 0.0 < value <= 1.0:  # also rejects NaN
-        raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
+def _bounds(low, high, open_low: bool, open_high: bool) -> str:
+    """The allowed range in words: ``"in (0, 1]"``, ``">= 1"`` or ``""`` (any)."""
+    low, high = (b if b is None or isinstance(b, int) else f"{b:g}" for b in (low, high))
+    if low is not None and high is not None:
+        return f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    if low is not None:
+        return f"{'>' if open_low else '>='} {low}"
+    return ""
 
 
-def check_capacity_factor(capacity_factor) -> None:
-    """Raises ``ValueError`` unless ``capacity_factor >= 1``."""
-    if not static("capacity_factor", capacity_factor) >= 1.0:  # also rejects NaN
-        raise ValueError(f"capacity_factor must be >= 1, got {capacity_factor!r}")
+def check_scalar(name: str, value, allowed: str = "a real number", integer: bool = False) -> None:
+    """Raises ``TypeError`` unless ``value`` is a real (``integer``: integer) scalar.
+
+    A scalar is a Python number or a 0-d NumPy or JAX array, concrete or
+    traced; never a bool. Only the type is read: no device transfer.
+    ``allowed`` describes the accepted values in the error.
+    """
+    if isinstance(value, jax.core.Tracer):
+        shape, dtype, shown = value.shape, value.dtype, f"a traced {value.dtype}{list(value.shape)}"
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        shape, dtype, shown = (), np.dtype(type(value)), repr(value)
+    else:
+        is_array = isinstance(value, np.ndarray | np.generic | jax.Array)
+        shape, dtype = (np.shape(value), value.dtype) if is_array else (None, None)
+        shown = f"{value!r} ({type(value).__name__})"
+    if shape != () or not (
+        jnp.issubdtype(dtype, jnp.integer) or (not integer and jnp.issubdtype(dtype, jnp.floating))
+    ):
+        raise TypeError(f"{name} must be {allowed}, got {shown}")
 
 
-def check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    """Raises ``ValueError`` unless ``value`` is one of ``allowed``."""
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+def check_number(
+    name: str,
+    value,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    integer: bool = False,
+    context: str = "",
+):
+    """``value`` as a finite Python ``float`` (``int`` if ``integer``) in its range.
+
+    A traced value's type is checked (:func:`check_scalar`) and the tracer
+    returned: its range can only be checked on device.
+
+    Raises:
+      TypeError: unless ``value`` is a real (integer) scalar: not a string,
+        bool, list, None, complex, an array with axes, or a float where an
+        integer is needed.
+      ValueError: for a concrete value outside ``[low, high]`` (open ends as
+        given) or not finite.
+    """
+    kind = "an integer" if integer else "a real number"
+    bounds = _bounds(low, high, open_low, open_high)
+    check_scalar(name, value, " ".join(filter(None, [kind, bounds])) + context, integer)
+    if isinstance(value, jax.core.Tracer):
+        return value
+    try:
+        number = int(value) if integer else float(value)
+    except OverflowError:  # a Python int beyond the float range
+        number = math.inf
+    if not (
+        (low is None or (number > low if open_low else number >= low))
+        and (high is None or (number < high if open_high else number <= high))
+        and math.isfinite(number)
+    ):
+        if integer:
+            allowed = f"{kind} {bounds}"
+        elif high is None and not math.isfinite(number):  # no bound that excludes it
+            allowed = " and ".join(filter(None, ["finite", bounds]))
+        else:
+            allowed = bounds
+        raise ValueError(f"{name} must be {allowed}{context}, got {number!r}")
+    return number
+
+
+def check_integer(
+    name: str, value, low: int | None = None, high: int | None = None, context: str = ""
+):
+    """``value`` as a Python ``int`` in ``[low, high]``, or a traced integer unchanged.
+
+    Raises:
+      TypeError: unless ``value`` is an integer scalar (never a bool).
+      ValueError: for a concrete value outside ``[low, high]``.
+    """
+    return check_number(name, value, low, high, integer=True, context=context)
+
+
+def check_ratio(ratio, name: str = "ratio"):
+    """``ratio`` as a Python ``float`` in (0, 1], or a traced real scalar unchanged.
+
+    Raises:
+      TypeError: unless ``ratio`` is a real scalar (never a bool).
+      ValueError: for a concrete value outside (0, 1] (NaN included).
+    """
+    return check_number(name, ratio, 0.0, 1.0, open_low=True)
+
+
+def check_capacity_factor(capacity_factor) -> float:
+    """``capacity_factor`` as a Python ``float``: finite, ``>= 1`` and static.
+
+    Raises:
+      TypeError: unless it is a real scalar (never a bool).
+      ValueError: if it is traced, below 1 or not finite.
+    """
+    return check_number("capacity_factor", static("capacity_factor", capacity_factor), 1.0)
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` as a Python ``bool``; raises ``TypeError`` unless it is one (or ``np.bool_``)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    return bool(value)
+
+
+SEED_MAX = 2**32 - 1  # without x64, JAX folds larger and negative seeds onto these
+
+
+def check_seed(seed):
+    """``seed`` as a Python ``int`` in ``[0, 2**32 - 1]``, or a traced integer unchanged.
+
+    Raises:
+      TypeError: unless ``seed`` is an integer scalar (never a bool).
+      ValueError: for a concrete seed out of range.
+    """
+    return check_integer("seed", seed, 0, SEED_MAX)
+
+
+def check_choice(name: str, value, allowed: tuple[str, ...], optional: bool = False) -> None:
+    """Raises ``ValueError`` unless ``value`` is one of ``allowed`` (or None if ``optional``)."""
+    if not ((optional and value is None) or (isinstance(value, str) and value in allowed)):
+        raise ValueError(
+            f"{name} must be {'None or ' if optional else ''}one of {allowed}, got {value!r}"
+        )
 
 
 def check_estimator(estimator) -> None:
@@ -226,17 +338,19 @@ def check_mode(mode) -> None:
     check_choice("communication", mode, MODES)
 
 
-def check_integer(name: str, value, low: int, high: int | None, context: str = "") -> None:
-    """Raises ``ValueError`` unless a concrete ``value`` is an integer in ``[low, high]``."""
-    v = concrete(value)
-    if v is not None and not (
-        v.shape == ()
-        and np.issubdtype(v.dtype, np.integer)
-        and low <= v
-        and (high is None or v <= high)
-    ):
-        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer {allowed}{context}, got {value!r}")
+def float_vectors(x, caller: str) -> list[jax.Array]:
+    """The leaves of the pytree ``x`` flattened to 1-D.
+
+    Raises:
+      TypeError: if a leaf is not a floating-point array.
+    """
+    leaves = [jnp.ravel(jnp.asarray(leaf)) for leaf in jax.tree.leaves(x)]
+    for leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(
+                f"{caller}: x must be floating-point arrays (or a pytree of them), got {leaf.dtype}"
+            )
+    return leaves
 
 
 def check_axis(axis_name, communication: str = "auto") -> None:
@@ -249,8 +363,16 @@ def check_axis(axis_name, communication: str = "auto") -> None:
     check_mode(communication)
 
 
-def check_common(ratio, capacity_factor, granularity) -> None:
-    """Validates the options every sparsifier shares (raises ``ValueError``)."""
-    check_ratio(static("ratio", ratio))
-    check_capacity_factor(capacity_factor)
+def check_common(ratio, granularity, error_feedback) -> float:
+    """Checks the options every compressor shares; returns ``ratio`` as a Python ``float``.
+
+    Raises:
+      TypeError: for a ``ratio`` that is not a real scalar or an
+        ``error_feedback`` that is not a bool.
+      ValueError: for a traced ``ratio`` (it sets the payload shape), one
+        outside (0, 1], or an unknown ``granularity``.
+    """
+    ratio = check_ratio(static("ratio", ratio))
     check_choice("granularity", granularity, GRANULARITIES)
+    check_bool("error_feedback", error_feedback)
+    return ratio

@@ -24,8 +24,11 @@ from sidco_jax._src.base import (
     Granularity,
     Rule,
     Selection,
+    check_capacity_factor,
     check_common,
+    check_number,
     check_ratio,
+    check_seed,
     empty_init,
     static,
 )
@@ -85,6 +88,12 @@ def topk(
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
 
+    Raises:
+      TypeError: for an argument of the wrong type, bools where a number is
+        expected included (see :func:`compress`).
+      ValueError: for a value out of range (NaN and inf included) or an
+        unknown name.
+
     Examples:
       >>> import jax.numpy as jnp, sidco_jax as sidco
       >>> tx = sidco.topk(0.25)
@@ -92,7 +101,7 @@ def topk(
       >>> tx.update(g, tx.init(g))[0]
       Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
     """
-    check_common(ratio, 1.0, granularity)
+    ratio = check_common(ratio, granularity, error_feedback)
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
@@ -134,13 +143,20 @@ def dgc(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
-      seed: seed of the sample (the same on every device).
+      seed: seed of the sample (the same on every device), in ``[0, 2**32 - 1]``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      TypeError: for an argument of the wrong type, bools where a number is
+        expected included (see :func:`compress`).
+      ValueError: for a value out of range (NaN and inf included) or an
+        unknown name.
     """
-    check_common(ratio, 1.0, granularity)
-    check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
+    ratio = check_common(ratio, granularity, error_feedback)
+    sample_ratio = check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
+    seed = check_seed(seed)
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
@@ -198,7 +214,7 @@ def redsync(
     Args:
       ratio: target density in (0, 1].
       capacity_factor: payload slots per ``k`` (default 2, RedSync's window).
-      tolerance: smallest bracket width of ``t``.
+      tolerance: smallest bracket width of ``t``, in (0, 1).
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
@@ -206,10 +222,16 @@ def redsync(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      TypeError: for an argument of the wrong type, bools where a number is
+        expected included (see :func:`compress`).
+      ValueError: for a value out of range (NaN and inf included) or an
+        unknown name.
     """
-    check_common(ratio, capacity_factor, granularity)
-    if not 0.0 < tolerance < 1.0:
-        raise ValueError(f"tolerance must be in (0, 1), got {tolerance!r}")
+    ratio = check_common(ratio, granularity, error_feedback)
+    capacity_factor = check_capacity_factor(capacity_factor)
+    tolerance = check_number("tolerance", tolerance, 0.0, 1.0, open_low=True, open_high=True)
 
     def select(vectors, abs_sums, state, key):
         del state, key
@@ -281,8 +303,15 @@ def gaussiank(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      TypeError: for an argument of the wrong type, bools where a number is
+        expected included (see :func:`compress`).
+      ValueError: for a value out of range (NaN and inf included) or an
+        unknown name.
     """
-    check_common(ratio, capacity_factor, granularity)
+    ratio = check_common(ratio, granularity, error_feedback)
+    capacity_factor = check_capacity_factor(capacity_factor)
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
@@ -338,12 +367,19 @@ def randomk(
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      seed: seed of the draw.
+      seed: seed of the draw, in ``[0, 2**32 - 1]``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      TypeError: for an argument of the wrong type, bools where a number is
+        expected included (see :func:`compress`).
+      ValueError: for a value out of range (NaN and inf included) or an
+        unknown name.
     """
-    check_common(ratio, 1.0, granularity)
+    ratio = check_common(ratio, granularity, error_feedback)
+    seed = check_seed(seed)
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state

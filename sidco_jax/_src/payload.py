@@ -34,7 +34,16 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from sidco_jax._src import passes
-from sidco_jax._src.base import MAX_SIZE, Payload, check_capacity_factor, check_ratio
+from sidco_jax._src.base import (
+    MAX_SIZE,
+    Payload,
+    check_capacity_factor,
+    check_integer,
+    check_ratio,
+    check_scalar,
+    float_vectors,
+    static,
+)
 
 _TRI = 64  # width of the triangular matmuls of the cumulative sum
 
@@ -45,14 +54,18 @@ def capacity(size: int, ratio: float, capacity_factor: float = 1.0) -> int:
     Returns ``ceil(capacity_factor * ratio * size)`` clipped to ``[1, size]``.
 
     Raises:
-      ValueError: for ``ratio`` outside (0, 1] or ``capacity_factor < 1``.
+      TypeError: unless ``size`` is an integer and ``ratio`` and
+        ``capacity_factor`` are real numbers (bools refused).
+      ValueError: for ``size < 0``, ``ratio`` outside (0, 1], a
+        ``capacity_factor`` below 1 or not finite, or a traced argument.
 
     Examples:
       >>> capacity(1_000_000, 0.001, capacity_factor=1.5)
       1500
     """
-    check_ratio(ratio)
-    check_capacity_factor(capacity_factor)
+    size = check_integer("size", static("size", size), 0)
+    ratio = check_ratio(static("ratio", ratio))
+    capacity_factor = check_capacity_factor(capacity_factor)
     return int(min(max(math.ceil(capacity_factor * ratio * size), 1), max(size, 1)))
 
 
@@ -157,16 +170,18 @@ def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
       x: a float array of any shape, or a pytree of them (a gradient tree):
         indices run over the concatenation of its leaves, each flattened
         row-major, in ``jax.tree.leaves`` order. Nothing is concatenated.
-      threshold: scalar magnitude threshold (NaN selects nothing).
-      capacity: static number of slots.
+      threshold: scalar magnitude threshold, may be traced (NaN selects nothing).
+      capacity: static number of slots, an int ``>= 1``.
 
     Returns:
       A :class:`Payload`; the first ``capacity`` selected entries in index
       order fill it, the rest count as overflow.
 
     Raises:
-      ValueError: if ``x`` has more than ``2**31 - 1`` entries or ``capacity < 1``.
-      TypeError: if a leaf of ``x`` is not a floating-point array.
+      ValueError: if ``x`` has more than ``2**31 - 1`` entries, ``capacity < 1``
+        or ``capacity`` is traced.
+      TypeError: if a leaf of ``x`` is not a floating-point array, ``threshold``
+        is not a real scalar or ``capacity`` not an integer (bools refused).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -174,11 +189,9 @@ def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
       >>> p.values, p.indices, int(p.count), int(p.overflow)
       (Array([-3.,  2.], dtype=float32), Array([1, 3], dtype=int32), 2, 1)
     """
-    leaves = [jnp.ravel(jnp.asarray(leaf)) for leaf in jax.tree.leaves(x)]
-    for leaf in leaves:
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise TypeError(f"sparsify needs floating-point arrays, got {leaf.dtype}")
-    return select_above(leaves, threshold, capacity)
+    check_scalar("threshold", threshold)
+    capacity = check_integer("capacity", static("capacity", capacity))  # its range: select_above
+    return select_above(float_vectors(x, "sparsify"), threshold, capacity)
 
 
 def scatter(values: jax.Array, indices: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:

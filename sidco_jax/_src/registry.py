@@ -8,20 +8,24 @@ plus one line here.
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import optax
 
 from sidco_jax._src import baselines
+from sidco_jax._src.base import AxisName, check_choice, check_ratio
 from sidco_jax._src.sidco import compress
 
 Factory = Callable[..., optax.GradientTransformationExtraArgs]
 
 
-def _dense(ratio: float, **options: Any) -> optax.GradientTransformationExtraArgs:
-    del ratio  # sends everything
-    return baselines.dense(**options)
+def _dense(
+    ratio: float, *, axis_name: AxisName | None = None
+) -> optax.GradientTransformationExtraArgs:
+    check_ratio(ratio)  # checked like the others', though it sends everything
+    return baselines.dense(axis_name=axis_name)
 
 
 FACTORIES: dict[str, Factory] = {
@@ -38,6 +42,19 @@ FACTORIES: dict[str, Factory] = {
 COMPRESSORS: tuple[str, ...] = tuple(FACTORIES)
 
 
+def _options(factory: Factory) -> tuple[str, ...]:
+    """The keyword options of ``factory``, less those its name already sets."""
+    bound = factory.keywords if isinstance(factory, functools.partial) else {}
+    return tuple(
+        p.name
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name not in bound
+    )
+
+
+OPTIONS: dict[str, tuple[str, ...]] = {name: _options(f) for name, f in FACTORIES.items()}
+
+
 def compressor(name: str, ratio: float, **options: Any) -> optax.GradientTransformationExtraArgs:
     """The compressor called ``name`` at target density ``ratio``.
 
@@ -51,7 +68,10 @@ def compressor(name: str, ratio: float, **options: Any) -> optax.GradientTransfo
       The optax transformation.
 
     Raises:
-      ValueError: for an unknown name, listing the known ones.
+      ValueError: for an unknown name, listing the known ones (and as the
+        factory does for a bad value).
+      TypeError: for an option that compressor does not take, listing those
+        it takes (and as the factory does for a wrong type).
 
     Examples:
       >>> import sidco_jax as sidco
@@ -59,6 +79,10 @@ def compressor(name: str, ratio: float, **options: Any) -> optax.GradientTransfo
       >>> sidco.COMPRESSORS[:3]
       ('sidco-e', 'sidco-p', 'sidco-gp')
     """
-    if name not in FACTORIES:
-        raise ValueError(f"compressor must be one of {COMPRESSORS}, got {name!r}")
+    check_choice("compressor", name, COMPRESSORS)
+    unknown = sorted(set(options) - set(OPTIONS[name]))
+    if unknown:
+        raise TypeError(
+            f"compressor {name!r} got unknown options {unknown}; allowed: {OPTIONS[name]}"
+        )
     return FACTORIES[name](ratio, **options)

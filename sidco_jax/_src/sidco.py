@@ -25,11 +25,13 @@ from sidco_jax._src.base import (
     Granularity,
     Rule,
     Selection,
+    check_capacity_factor,
+    check_choice,
     check_common,
     check_estimator,
     check_integer,
+    check_number,
     check_ratio,
-    concrete,
 )
 from sidco_jax._src.loop import sparsifier
 
@@ -124,14 +126,15 @@ def compress(
         (reverses after a move that did not help) or ``None`` (fixed). The
         default was chosen on training runs under error feedback
         (docs/benchmarks.md).
-      first_ratio: density targeted by the first of several stages.
+      first_ratio: density targeted by the first of several stages, in (0, 1].
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
       granularity: ``"model"`` (one threshold over all floating-point leaves,
         as in the paper) or ``"leaf"`` (one threshold and payload per leaf).
       error_feedback: keep what was not sent and add it to the next gradient.
-      period: steps per adaptation window (the paper's ``Q``).
-      band: tolerance of the adaptation around the target (the paper's 0.2).
+      period: steps per adaptation window (the paper's ``Q``), an int >= 1.
+      band: tolerance of the adaptation around the target (the paper's 0.2),
+        in (0, 1).
       axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
         ``jax.pmap`` to average the update over; None (default) sparsifies
         locally with no collective. With an axis the update is the mean of
@@ -148,7 +151,13 @@ def compress(
       sparsified gradient (same tree and dtypes as the input).
 
     Raises:
-      ValueError: for any argument outside its allowed range, with the value.
+      TypeError: for an argument of the wrong type: a ratio, factor, count or
+        band that is not a real (integer for ``stages`` and ``period``)
+        scalar, bools included, or an ``error_feedback`` that is not a bool.
+        Concrete NumPy and JAX scalars are accepted.
+      ValueError: for a value outside its allowed range (NaN and inf
+        included), an unknown name, or a traced ``ratio`` or
+        ``capacity_factor`` (they set the payload shape).
 
     Examples:
       >>> import jax.numpy as jnp, optax, sidco_jax as sidco
@@ -164,21 +173,19 @@ def compress(
       Efficient Statistical-based Gradient Compression Technique for
       Distributed Training Systems*, MLSys 2021 (arXiv:2101.10761).
     """
-    check_common(ratio, capacity_factor, granularity)
+    # Concrete NumPy and JAX scalars become Python numbers here, so nothing
+    # traced under jit depends on them; traced ones (optax.inject_hyperparams)
+    # pass through where they may vary, and are refused where they set a shape.
+    ratio = check_common(ratio, granularity, error_feedback)
+    capacity_factor = check_capacity_factor(capacity_factor)
     check_estimator(estimator)
-    check_ratio(first_ratio, "first_ratio")
-    limit = thresholds.max_stages(ratio)
-    if stages is None:
-        stages = min(3, limit)
-    check_integer("stages", stages, 1, limit, f" for ratio {ratio}")
-    if adaptation is not None and adaptation not in control_lib.RULES:
-        raise ValueError(
-            f"adaptation must be None or one of {control_lib.RULES}, got {adaptation!r}"
-        )
-    check_integer("period", period, 1, None)
-    band_value = concrete(band)
-    if band_value is not None and not 0.0 < band_value < 1.0:
-        raise ValueError(f"band must be in (0, 1), got {band!r}")
+    first_ratio = check_ratio(first_ratio, "first_ratio")
+    stages = thresholds.check_stages(
+        min(3, thresholds.max_stages(ratio)) if stages is None else stages, ratio
+    )
+    check_choice("adaptation", adaptation, control_lib.RULES, optional=True)
+    period = check_integer("period", period, 1)
+    band = check_number("band", band, 0.0, 1.0, open_low=True, open_high=True)
 
     sidco_rule = rule(
         ratio,

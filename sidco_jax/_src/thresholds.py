@@ -28,18 +28,43 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from sidco_jax._src import fits, passes
-from sidco_jax._src.base import Estimator, check_estimator, check_ratio
+from sidco_jax._src.base import (
+    Estimator,
+    check_estimator,
+    check_integer,
+    check_ratio,
+    float_vectors,
+)
 
 
 def max_stages(ratio: float) -> int:
     """The paper's stage-count ceiling ``ceil(log2(1 / ratio))``, at least 1.
 
+    Raises:
+      TypeError: unless ``ratio`` is a real scalar.
+      ValueError: for ``ratio`` outside (0, 1].
+
     Examples:
       >>> max_stages(0.001), max_stages(0.01), max_stages(0.6)
       (10, 7, 1)
     """
-    check_ratio(ratio)
+    ratio = check_ratio(ratio)
     return max(1, math.ceil(math.log2(1.0 / ratio)))
+
+
+def check_stages(stages, ratio):
+    """``stages`` as an int in ``[1, max_stages(ratio)]``, or a traced integer unchanged.
+
+    With a traced ``ratio`` only ``stages >= 1`` is checked here; the ceiling
+    is applied on device by :func:`threshold`.
+
+    Raises:
+      TypeError: unless ``stages`` is an integer scalar (never a bool).
+      ValueError: for a concrete ``stages`` out of range.
+    """
+    if isinstance(ratio, jax.core.Tracer):
+        return check_integer("stages", stages, 1)
+    return check_integer("stages", stages, 1, max_stages(ratio), f" for ratio {ratio}")
 
 
 def _magnitude(v, zero, inv_scale):
@@ -125,17 +150,25 @@ def threshold(
       ratio: target density in (0, 1], e.g. 0.001; may be traced.
       estimator: ``"exponential"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or
         ``"gamma"`` (SIDCo-GP: gamma first stage, generalized Pareto after).
-      stages: number of fitting stages ``M >= 1``; may be a traced integer
-        (changing it does not recompile). Ignored (one stage) when
-        ``ratio >= first_ratio``.
-      first_ratio: density targeted by the first of several stages, in (0, 1).
+      stages: number of fitting stages, in ``[1, max_stages(ratio)]``; may be
+        a traced integer (changing it does not recompile), then clipped to
+        that range on device. Ignored (one stage) when ``ratio >= first_ratio``.
+      first_ratio: density targeted by the first of several stages, in
+        (0, 1]; may be traced.
 
     Returns:
       A float32 scalar ``eta >= 0`` (select ``|x| > eta``); ``inf`` if ``x``
-      holds a non-finite value; ``0`` for an all-zero ``x`` (selects nothing).
+      holds a non-finite value; ``0`` for an all-zero ``x`` (selects nothing);
+      NaN if a traced ``ratio`` or ``first_ratio`` lies outside (0, 1] (NaN
+      selects nothing in :func:`sparsify`: errors cannot be raised on device).
 
     Raises:
-      ValueError: for an unknown estimator or a concrete ratio outside (0, 1].
+      TypeError: if a leaf of ``x`` is not a floating-point array, or
+        ``ratio``, ``first_ratio`` or ``stages`` is not a real (for
+        ``stages`` integer) scalar; bools are refused.
+      ValueError: for an unknown estimator, or a concrete ``ratio`` or
+        ``first_ratio`` outside (0, 1] or ``stages`` outside
+        ``[1, max_stages(ratio)]``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, sidco_jax as sidco
@@ -145,9 +178,10 @@ def threshold(
       0.01
     """
     check_estimator(estimator)
-    check_ratio(ratio)
-    check_ratio(first_ratio, "first_ratio")
-    x = [jnp.ravel(jnp.asarray(leaf)) for leaf in jax.tree.leaves(x)]
+    ratio = check_ratio(ratio)
+    first_ratio = check_ratio(first_ratio, "first_ratio")
+    stages = check_stages(stages, ratio)
+    x = float_vectors(x, "threshold")
     (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
     return from_abs_sum(x, total, ratio, estimator, stages, first_ratio)
 
@@ -157,14 +191,22 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
     n = passes.size(x)
     if n == 0:
         return jnp.zeros((), jnp.float32)
-    ratio = jnp.asarray(ratio, jnp.float32)
+    traced_ratio = isinstance(ratio, jax.core.Tracer)
+    limit = None if traced_ratio else max_stages(ratio)
+    # A traced ratio or first_ratio outside (0, 1] (NaN included) gives NaN,
+    # which selects nothing; the stages run on valid stand-ins.
+    ratio, first_ratio = jnp.asarray(ratio, jnp.float32), jnp.asarray(first_ratio, jnp.float32)
+    valid = (ratio > 0) & (ratio <= 1) & (first_ratio > 0) & (first_ratio <= 1)
+    ratio, first_ratio = jnp.where(valid, ratio, 1.0), jnp.where(valid, first_ratio, 1.0)
+    if traced_ratio:  # max_stages on device
+        limit = jnp.maximum(jnp.ceil(-jnp.log2(ratio)).astype(jnp.int32), 1)
     mean = total / n
     # A power of two near the mean magnitude: rescaling by it is exact, keeps
     # every statistic near 1 in float32 and keeps differences out of denormals.
     log2_mean = jnp.round(jnp.log2(jnp.where(mean > 0, mean, 1.0)))
     scale = jnp.where(jnp.isfinite(log2_mean), jnp.exp2(jnp.clip(log2_mean, -100, 100)), 1.0)
 
-    stages = jnp.maximum(jnp.asarray(stages, jnp.int32), 1)
+    stages = jnp.clip(jnp.asarray(stages, jnp.int32), 1, limit)
     single = (stages == 1) | (ratio >= first_ratio)
     later = jnp.where(single, 0, stages - 1)
     q1 = jnp.where(single, ratio, first_ratio)
@@ -179,4 +221,5 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
         return _next_stage(x, eta, scale, q_total, estimator)
 
     eta = lax.fori_loop(0, later, body, eta)
-    return jnp.where(jnp.isfinite(total), eta * scale, jnp.inf)
+    eta = jnp.where(jnp.isfinite(total), eta * scale, jnp.inf)
+    return jnp.where(valid, eta, jnp.nan)

@@ -1,0 +1,191 @@
+"""Every public argument is checked when it is given, with an error naming it and its value.
+
+TypeError for a wrong type (a string, a bool, a list, None, a float where an
+integer is needed), ValueError for a value out of range, non-finite or not
+among the allowed names.
+"""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sidco_jax as sidco
+
+NAN, INF = float("nan"), float("inf")
+X = jnp.linspace(-1.0, 1.0, 64)
+
+
+def says(name: str, value: str) -> str:
+    """A pattern for "<name> must be <what is allowed>, got <value>"."""
+    return rf"(^|\W){re.escape(name)} must be .+, got .*{re.escape(value)}"
+
+
+def bad(call, *args, error, name, value, **kwargs):
+    """One case: ``call(*args, **kwargs)`` raises ``error`` naming ``name`` and ``value``."""
+    pattern = says(name, value)
+    show = lambda v: f"{v.dtype}{list(v.shape)}" if isinstance(v, jax.Array) else repr(v)  # noqa: E731
+    shown = ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
+    case_id = f"{getattr(call, '__name__', 'call')}({shown})"
+    return pytest.param(functools.partial(call, *args, **kwargs), error, pattern, id=case_id)
+
+
+CASES = [
+    # ratio: strings, lists, bools, complex and arrays are not numbers; NaN is out of range.
+    bad(sidco.compress, "0.01", error=TypeError, name="ratio", value="'0.01'"),
+    bad(sidco.compress, [0.01], error=TypeError, name="ratio", value="[0.01]"),
+    bad(sidco.compress, True, error=TypeError, name="ratio", value="True"),
+    bad(sidco.compress, 0.1 + 0j, error=TypeError, name="ratio", value="(0.1+0j)"),
+    bad(sidco.compress, np.array([0.1, 0.2]), error=TypeError, name="ratio",
+        value="array([0.1, 0.2])"),
+    bad(sidco.compress, np.float64(NAN), error=ValueError, name="ratio", value="nan"),
+    bad(sidco.topk, None, error=TypeError, name="ratio", value="None"),
+    bad(sidco.compressor, "dense", "1", error=TypeError, name="ratio", value="'1'"),
+    # capacity_factor: finite, >= 1, a number.
+    bad(sidco.compress, 0.1, capacity_factor=INF, error=ValueError, name="capacity_factor",
+        value="inf"),
+    bad(sidco.redsync, 0.1, capacity_factor=NAN, error=ValueError, name="capacity_factor",
+        value="nan"),
+    bad(sidco.gaussiank, 0.1, capacity_factor="2", error=TypeError, name="capacity_factor",
+        value="'2'"),
+    bad(sidco.compress, 0.1, capacity_factor=True, error=TypeError, name="capacity_factor",
+        value="True"),
+    # error_feedback: a bool, nothing else.
+    bad(sidco.compress, 0.1, error_feedback="no", error=TypeError, name="error_feedback",
+        value="'no'"),
+    bad(sidco.topk, 0.1, error_feedback=None, error=TypeError, name="error_feedback",
+        value="None"),
+    bad(sidco.dgc, 0.1, error_feedback=1, error=TypeError, name="error_feedback", value="1"),
+    # The other options of compress.
+    bad(sidco.compress, 0.1, first_ratio="0.25", error=TypeError, name="first_ratio",
+        value="'0.25'"),
+    bad(sidco.compress, 0.1, first_ratio=NAN, error=ValueError, name="first_ratio", value="nan"),
+    bad(sidco.compress, 0.01, stages=2.0, error=TypeError, name="stages", value="2.0"),
+    bad(sidco.compress, 0.01, stages="3", error=TypeError, name="stages", value="'3'"),
+    bad(sidco.compress, 0.01, stages=True, error=TypeError, name="stages", value="True"),
+    bad(sidco.compress, 0.01, period=2.5, error=TypeError, name="period", value="2.5"),
+    bad(sidco.compress, 0.01, period=True, error=TypeError, name="period", value="True"),
+    bad(sidco.compress, 0.01, band=NAN, error=ValueError, name="band", value="nan"),
+    bad(sidco.compress, 0.01, band=[0.2], error=TypeError, name="band", value="[0.2]"),
+    bad(sidco.compress, 0.01, estimator=None, error=ValueError, name="estimator", value="None"),
+    bad(sidco.compress, 0.01, adaptation=True, error=ValueError, name="adaptation",
+        value="True"),
+    # The baselines' own options.
+    bad(sidco.dgc, 0.1, sample_ratio=INF, error=ValueError, name="sample_ratio", value="inf"),
+    bad(sidco.dgc, 0.1, sample_ratio=None, error=TypeError, name="sample_ratio", value="None"),
+    bad(sidco.redsync, 0.1, tolerance=NAN, error=ValueError, name="tolerance", value="nan"),
+    bad(sidco.redsync, 0.1, tolerance="small", error=TypeError, name="tolerance",
+        value="'small'"),
+    bad(sidco.redsync, 0.1, tolerance=1.0, error=ValueError, name="tolerance", value="1.0"),
+    bad(sidco.dgc, 0.1, seed=-1, error=ValueError, name="seed", value="-1"),
+    bad(sidco.dgc, 0.1, seed=2**32, error=ValueError, name="seed", value="4294967296"),
+    bad(sidco.randomk, 0.1, seed="0", error=TypeError, name="seed", value="'0'"),
+    bad(sidco.randomk, 0.1, seed=1.5, error=TypeError, name="seed", value="1.5"),
+    bad(sidco.topk, 0.1, granularity=None, error=ValueError, name="granularity", value="None"),
+    bad(sidco.gaussiank, 0.1, communication=None, error=ValueError, name="communication",
+        value="None"),
+    # The registry.
+    bad(sidco.compressor, "nope", 0.1, error=ValueError, name="compressor", value="'nope'"),
+    # The functional API: threshold, sparsify, capacity, max_stages.
+    bad(sidco.threshold, X, "0.01", error=TypeError, name="ratio", value="'0.01'"),
+    bad(sidco.threshold, X, True, error=TypeError, name="ratio", value="True"),
+    bad(sidco.threshold, jnp.arange(1000), 0.01, error=TypeError, name="x", value="int32"),
+    bad(sidco.threshold, X, 0.01, stages=10**6, error=ValueError, name="stages",
+        value="1000000"),
+    bad(sidco.threshold, X, 0.01, stages=1.5, error=TypeError, name="stages", value="1.5"),
+    bad(sidco.threshold, X, 0.01, first_ratio=INF, error=ValueError, name="first_ratio",
+        value="inf"),
+    bad(sidco.sparsify, X, 0.5, 1.5, error=TypeError, name="capacity", value="1.5"),
+    bad(sidco.sparsify, X, 0.5, True, error=TypeError, name="capacity", value="True"),
+    bad(sidco.sparsify, X, "0.5", 4, error=TypeError, name="threshold", value="'0.5'"),
+    bad(sidco.capacity, -5, 0.1, error=ValueError, name="size", value="-5"),
+    bad(sidco.capacity, 10.5, 0.1, error=TypeError, name="size", value="10.5"),
+    bad(sidco.capacity, 100, 0.1, capacity_factor=INF, error=ValueError,
+        name="capacity_factor", value="inf"),
+    bad(sidco.max_stages, "0.1", error=TypeError, name="ratio", value="'0.1'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "pattern"), CASES)
+def test_bad_argument_raises_a_clear_error(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "unknown"),
+    [
+        ("topk", {"capacity_factor": 2.0}, "capacity_factor"),
+        ("sidco-e", {"estimator": "gamma"}, "estimator"),  # the name already chose it
+        ("dense", {"granularity": "leaf"}, "granularity"),
+    ],
+)
+def test_compressor_refuses_unknown_options_listing_the_known(name, options, unknown):
+    pattern = rf"{re.escape(repr(name))} .*unknown option.*'{unknown}'.*allowed: \('"
+    with pytest.raises(TypeError, match=pattern):
+        sidco.compressor(name, 0.1, **options)
+
+
+def test_enough_distinct_bad_inputs():
+    assert len({case.id for case in CASES}) == len(CASES) >= 25
+
+
+@pytest.mark.parametrize("name", sidco.COMPRESSORS)
+def test_concrete_jax_and_numpy_scalars_work_under_jit(name):
+    grads = jnp.asarray(np.random.default_rng(0).laplace(size=1000), jnp.float32)
+    tx = sidco.compressor(name, jnp.float32(0.01))
+    updates, _ = jax.jit(tx.update)(grads, tx.init(grads))
+    sent = int(jnp.count_nonzero(updates))
+    assert sent == 1000 if name == "dense" else 0 < sent < 40
+    tx = sidco.compress(
+        np.float64(0.01),
+        capacity_factor=jnp.float32(2.0),
+        stages=jnp.int32(2),
+        period=np.int64(3),
+        band=np.float32(0.3),
+        first_ratio=jnp.asarray(0.2),
+    )
+    updates, _ = jax.jit(tx.update)(grads, tx.init(grads))
+    assert 0 < int(jnp.count_nonzero(updates)) < 40
+
+
+def test_traced_ratio_still_must_be_static():
+    tx = optax.inject_hyperparams(sidco.compress)(0.05)
+    with pytest.raises(ValueError, match="ratio sets the payload shape and must be static"):
+        jax.jit(tx.update)(X, tx.init(X))
+
+
+@pytest.mark.parametrize("ratio", [2.0, -1.0, 0.0, NAN])
+def test_traced_ratio_out_of_range_selects_nothing(ratio):
+    eta = jax.jit(lambda x, r: sidco.threshold(x, r, stages=3))(X, ratio)
+    assert math.isnan(float(eta))
+    assert int(sidco.sparsify(X, eta, 8).selected) == 0
+
+
+def test_traced_first_ratio_out_of_range_selects_nothing():
+    eta = jax.jit(lambda x, f: sidco.threshold(x, 0.01, stages=3, first_ratio=f))(X, 1.5)
+    assert math.isnan(float(eta))
+
+
+def test_traced_wrong_types_are_refused_at_trace_time():
+    with pytest.raises(TypeError, match=r"ratio must be a real number .*float32\[2\]"):
+        jax.jit(lambda x, r: sidco.threshold(x, r))(X, jnp.array([0.1, 0.2]))
+    with pytest.raises(TypeError, match=r"stages must be an integer .*float32\[\]"):
+        jax.jit(lambda x, m: sidco.threshold(x, 0.01, stages=m))(X, 2.0)
+
+
+def test_traced_stages_are_clipped_to_the_ceiling():
+    x = jnp.asarray(np.random.default_rng(1).standard_t(3, size=4000), jnp.float32)
+    top = sidco.max_stages(0.01)
+    want = float(sidco.threshold(x, 0.01, stages=top))
+    assert want != float(sidco.threshold(x, 0.01, stages=top - 1))  # the ceiling matters
+    by_stages = jax.jit(lambda x, m: sidco.threshold(x, 0.01, stages=m))
+    by_ratio = jax.jit(lambda x, r: sidco.threshold(x, r, stages=10**6))
+    assert float(by_stages(x, jnp.int32(10**6))) == pytest.approx(want)
+    assert float(by_ratio(x, 0.01)) == pytest.approx(want)
+    assert float(by_stages(x, jnp.int32(-3))) == pytest.approx(float(sidco.threshold(x, 0.01)))
