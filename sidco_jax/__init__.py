@@ -20,7 +20,7 @@ from sidco_jax._src.base import (
     Selection,
 )
 from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
-from sidco_jax._src.checkpoint import ResidualWarning, restore, save
+from sidco_jax._src.checkpoint import RatioWarning, ResidualWarning, restore, save
 from sidco_jax._src.control import RULES, StageControl
 from sidco_jax._src.hlo import Collective, hlo_collectives
 from sidco_jax._src.loop import sparsifier
@@ -45,6 +45,7 @@ __all__ = [
     "CompressState",
     "ObserveFn",
     "Payload",
+    "RatioWarning",
     "ResidualWarning",
     "Rule",
     "RuleInitFn",

@@ -1,10 +1,25 @@
 """Checkpoints keep every device's residual and the controller, and training continues exactly."""
 
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import warnings
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import AXIS, assert_trees_equal, gradient_stream, mesh_of, run_shard_map
+from harness import (
+    AXIS,
+    assert_trees_equal,
+    gradient_stream,
+    mesh_of,
+    params_tree,
+    run_shard_map,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -90,3 +105,162 @@ def test_a_residual_of_another_model_is_refused(tmp_path, rng):
     target = (target[0], (bad, *target[1][1:]))
     with pytest.raises(ValueError, match="not a whole number of devices' residuals"):
         sidco.restore(tmp_path / "ckpt", target)
+
+
+def small_state(ratio=0.02, dtype=np.float32):
+    """Unsharded params and their state under compress(ratio) and momentum: quick to save."""
+    params = jax.tree.map(lambda p: p.astype(dtype), params_tree())
+    tx = optax.chain(sidco.compress(ratio), optax.sgd(0.1, momentum=0.9))
+    return params, tx.init(params)
+
+
+def test_restoring_a_missing_directory_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/nowhere.*does not exist"):
+        sidco.restore(tmp_path / "nowhere", small_state())
+
+
+def test_restoring_an_unfinished_save_says_so(tmp_path):
+    (tmp_path / "ckpt.orbax-checkpoint-tmp").mkdir()
+    with pytest.raises(FileNotFoundError, match="a save to it started and did not finish"):
+        sidco.restore(tmp_path / "ckpt", small_state())
+
+
+def test_restoring_an_empty_directory_names_it(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path} is empty"):
+        sidco.restore(tmp_path, small_state())
+
+
+def test_restoring_a_file_names_it(tmp_path):
+    (tmp_path / "ckpt").write_text("")
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path}/ckpt is a file"):
+        sidco.restore(tmp_path / "ckpt", small_state())
+
+
+@pytest.mark.parametrize("missing", ["_METADATA", "manifest.ocdbt", "d"])
+def test_restoring_an_incomplete_checkpoint_names_what_is_missing(tmp_path, missing):
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    gone = tmp_path / "ckpt" / missing
+    if gone.is_dir():
+        shutil.rmtree(gone)
+    else:
+        gone.unlink()
+    with pytest.raises(ValueError, match=f"{tmp_path}/ckpt is not a complete checkpoint") as error:
+        sidco.restore(tmp_path / "ckpt", tree)
+    assert str(error.value).endswith(f"it lacks {missing}")
+
+
+def test_a_state_with_integer_parameters_round_trips(tmp_path):
+    # The residual of an integer leaf is zero-size, which orbax refuses to write.
+    params = {"w": jnp.arange(8, dtype=jnp.float32), "n": jnp.array(3, jnp.int32)}
+    tx = optax.chain(sidco.compress(0.25), optax.sgd(0.1, momentum=0.9))
+    tree = (params, tx.init(params))
+    sidco.save(tmp_path / "ckpt", tree)
+    for target in (tree, jax.eval_shape(lambda: tree)):
+        restored = sidco.restore(tmp_path / "ckpt", target)
+        assert_trees_equal(restored, tree)
+        assert restored[1][0].residual["n"].shape == (0,)
+        assert jax.tree.structure(restored) == jax.tree.structure(tree)
+
+
+def test_saving_onto_an_existing_path_is_refused(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FileExistsError, match=f"cannot save to {tmp_path}/ckpt: it already exists"):
+        sidco.save(tmp_path / "ckpt", small_state())
+
+
+def test_saving_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path}/file is a file, not a directory"):
+        sidco.save(tmp_path / "file" / "sub" / "ckpt", small_state())
+    assert not list(tmp_path.glob("**/*ckpt*"))
+
+
+def test_saving_into_a_read_only_directory_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() == 0:  # root may write anyway: answer as for any other user
+        monkeypatch.setattr(os, "access", lambda path, mode: bool(os.stat(path).st_mode & 0o200))
+    with pytest.raises(PermissionError, match=f"{tmp_path}/ro is not writable"):
+        sidco.save(tmp_path / "ro" / "ckpt", small_state())
+
+
+def test_saving_creates_missing_parents(tmp_path):
+    tree = small_state()
+    sidco.save(tmp_path / "runs" / "a" / "ckpt", tree)
+    assert_trees_equal(sidco.restore(tmp_path / "runs" / "a" / "ckpt", tree), tree)
+
+
+FAILED_SAVES = """
+import sys
+import threading
+
+import jax.numpy as jnp
+
+import sidco_jax as sidco
+from sidco_jax._src import checkpoint
+
+root = sys.argv[1]
+open(root + "/file", "w").close()
+before = set(threading.enumerate())
+
+
+def attempt(path, tree):
+    try:
+        sidco.save(path, tree)
+    except (OSError, ValueError) as error:
+        print(type(error).__name__, flush=True)
+
+
+attempt(root + "/file/ckpt", {"w": jnp.ones(3)})  # refused up front
+attempt(root + "/ckpt", {"w": jnp.ones(3), "bad": object()})  # orbax fails writing
+checkpoint._check_destination = lambda path: None
+attempt(root + "/file/ckpt", {"w": jnp.ones(3)})  # orbax fails creating the directory
+# asyncio_N are idle workers of asyncio's default executor, left by successful saves too:
+# they end with the interpreter. Orbax's writers are the threads that kept it alive.
+new = set(threading.enumerate()) - before
+print("running:", *[t.name for t in new if not t.daemon and not t.name.startswith("asyncio_")])
+"""
+
+
+def test_a_failed_save_leaves_nothing_running(tmp_path):
+    # Orbax's background writers used to wait 300 s for a directory that never came,
+    # keeping the process alive: the interpreter must now exit at once.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    done = subprocess.run(
+        [sys.executable, "-c", FAILED_SAVES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=pathlib.Path(__file__).parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n") == [
+        "NotADirectoryError",
+        "ValueError",
+        "NotADirectoryError",
+        "running:",
+        "",
+    ], done.stdout + done.stderr
+
+
+def test_a_dtype_mismatch_is_refused(tmp_path):
+    sidco.save(tmp_path / "ckpt", small_state())
+    target = small_state(dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"\[0\]\['b'\] was saved as float32.*bfloat16"):
+        sidco.restore(tmp_path / "ckpt", target)
+    with pytest.raises(ValueError, match=r"\[0\]\['b'\] was saved as float32.*bfloat16"):
+        sidco.restore(tmp_path / "ckpt", jax.eval_shape(lambda: target))
+
+
+def test_another_ratio_warns_when_the_target_holds_values(tmp_path):
+    saved = small_state(0.02)
+    sidco.save(tmp_path / "ckpt", saved)
+    with pytest.warns(sidco.RatioWarning, match=r"\[1\]\[0\].*ratio 0\.02.*ratio 0\.05"):
+        _, state = sidco.restore(tmp_path / "ckpt", small_state(0.05))
+    assert float(state[0].last.target_density) == np.float32(0.02)  # as saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_trees_equal(sidco.restore(tmp_path / "ckpt", small_state(0.02)), saved)
+        # An abstract target holds no ratio to compare with: documented, no warning.
+        sidco.restore(tmp_path / "ckpt", jax.eval_shape(lambda: small_state(0.05)))

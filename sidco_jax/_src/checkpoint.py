@@ -12,6 +12,7 @@ so the owed update is the mean of the residuals. Every new device starts from
 that mean (so the new mean equals the old), with a :class:`ResidualWarning`.
 """
 
+import glob
 import os
 import warnings
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sidco_jax._src.base import CompressState
 from sidco_jax._src.sharding import is_residual
 
 
@@ -26,25 +28,112 @@ class ResidualWarning(UserWarning):
     """A restore changed the number of devices and redistributed the residuals."""
 
 
+class RatioWarning(UserWarning):
+    """A restore put a compressor state saved at one ratio into a compressor with another."""
+
+
+# Orbax writes into ``<path>`` + this suffix and renames it when the save completes.
+_UNFINISHED = ".orbax-checkpoint-tmp"
+# What every checkpoint of :func:`save` holds: the tree's metadata, and the root
+# and data files of the OCDBT database holding the arrays.
+_LAYOUT = ("_METADATA", "manifest.ocdbt", "d")
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp  # slow to import: only here
+
+    # The synchronous checkpointer creates the directory before any writer starts.
+    # The asynchronous one starts writers that wait for the directory: when its
+    # creation failed they kept the process alive for orbax's 300 s timeout.
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
+def _check_destination(path: str) -> None:
+    """Raises before orbax starts if ``path`` cannot become a new checkpoint directory."""
+    if os.path.lexists(path):
+        raise FileExistsError(
+            f"cannot save to {path}: it already exists; save writes a new directory, "
+            "give a path that does not exist"
+        )
+    # Orbax creates missing parents: the nearest existing one must take a new directory.
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"cannot save to {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot save to {path}: {parent} is not writable")
+
+
+def _is_empty(leaf) -> bool:
+    return getattr(leaf, "size", 1) == 0
+
+
 def save(path: str | os.PathLike, tree: Any) -> None:
     """Saves a pytree of (sharded) arrays, for example ``{"params": ..., "opt_state": ...}``.
 
-    Every process of a multi-process run must call it with the same path.
+    Every process of a multi-process run must call it with the same path. It
+    returns once the checkpoint is complete; when it fails, nothing it started
+    is left running.
 
     Args:
-      path: a directory that does not exist yet.
+      path: a directory that does not exist yet; missing parents are created.
       tree: the pytree (NamedTuple states included).
+
+    Raises:
+      FileExistsError: if ``path`` already exists.
+      NotADirectoryError: if an existing ancestor of ``path`` is a file.
+      PermissionError: if the nearest existing ancestor of ``path`` is not
+        writable.
     """
     import orbax.checkpoint as ocp  # slow to import: only here
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(path), tree)
+    path = os.path.abspath(path)
+    _check_destination(path)
+    # Orbax refuses zero-size arrays (the residual of an integer parameter is one):
+    # they hold nothing, and restore rebuilds them from the target.
+    tree = jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
+    with _checkpointer() as checkpointer:
+        try:
+            checkpointer.save(path, args=ocp.args.StandardSave(tree))
+        except Exception as error:
+            error.add_note(f"sidco_jax.save: saving to {path} failed")
+            raise
 
 
 def _abstract(leaf):
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _check_source(path: str) -> None:
+    """Raises unless ``path`` is a directory with every part of a checkpoint of :func:`save`."""
+    if not os.path.exists(path):
+        unfinished = glob.glob(glob.escape(path + _UNFINISHED) + "*")
+        hint = f": a save to it started and did not finish ({unfinished[0]})" if unfinished else ""
+        raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist{hint}")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"no checkpoint at {path}: {path} is a file, not a directory")
+    if not os.listdir(path):
+        raise ValueError(f"no checkpoint at {path}: {path} is empty")
+    # Checked here and not left to orbax: its failing reads leave tensorstore
+    # callbacks that print "Event loop is closed" long after the error.
+    missing = [name for name in _LAYOUT if not os.path.exists(os.path.join(path, name))]
+    if missing:
+        raise ValueError(
+            f"{path} is not a complete checkpoint written by sidco_jax.save: it lacks "
+            f"{', '.join(missing)}"
+        )
+
+
+def _incomplete(path: str, error: Exception) -> ValueError:
+    # Tensorstore appends its whole JSON spec to a missing file's message: keep the sentence.
+    reason = str(error).split(" [tensorstore_spec=")[0]
+    return ValueError(
+        f"{path} is not a complete checkpoint written by sidco_jax.save: reading it failed "
+        f"with: {reason}"
+    )
 
 
 def restore(path: str | os.PathLike, target: Any) -> Any:
@@ -54,40 +143,116 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
       path: the checkpoint directory.
       target: a pytree like the saved one, of arrays or ``jax.ShapeDtypeStruct``
         with shardings (for example :func:`sidco_jax.state_shardings`): the
-        devices, and their number, may differ from the saved run.
+        devices, and their number, may differ from the saved run. Each leaf's
+        dtype must be the saved one. Where a compressor state in ``target``
+        holds values (for example ``tx.init(params)``), its ratio is compared
+        with the saved one; an abstract state holds no ratio to compare.
 
     Returns:
       The restored pytree, each leaf with the sharding of ``target``. Residuals
       saved on ``d`` devices and restored on ``d' != d`` are redistributed:
-      every new device gets the mean of the ``d`` old residuals.
+      every new device gets the mean of the ``d`` old residuals. Compressor
+      states keep the saved values, ratio (``last.target_density``) included.
 
     Raises:
-      ValueError: if a residual leaf's saved first axis is not a whole number
-        of the target's per-device residuals.
+      FileNotFoundError: if ``path`` does not exist.
+      NotADirectoryError: if ``path`` is a file.
+      ValueError: if ``path`` is empty or not a complete checkpoint, if a
+        leaf's saved dtype differs from the target's, or if a residual leaf's
+        saved first axis is not a whole number of the target's per-device
+        residuals.
+
+    Warns:
+      ResidualWarning: when the residuals are redistributed.
+      RatioWarning: when a compressor state of ``target`` holding values has
+        another ratio than the saved one.
     """
     import orbax.checkpoint as ocp  # slow to import: only here
+    from etils import epath  # orbax's own path type, installed with it
 
     path = os.path.abspath(path)
-    target = jax.tree.map(_abstract, target)
-    marks = is_residual(target)
-    with ocp.StandardCheckpointer() as checkpointer:
+    _check_source(path)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    abstract = [_abstract(leaf) for _, leaf in flat]
+    marks = jax.tree.leaves(is_residual(target))
+    with _checkpointer() as checkpointer:
+        try:
+            saved = checkpointer.handler.metadata(epath.Path(path)).tree
+        except (FileNotFoundError, ValueError) as error:
+            raise _incomplete(path, error) from error
         # The metadata tree has dicts for NamedTuples and lists for tuples:
         # match leaves by path, not by order.
-        saved = checkpointer.metadata(path).item_metadata.tree
-        saved_shapes = {
-            _names(keys): tuple(leaf.shape)
+        saved = {
+            _names(keys): leaf
             for keys, leaf in jax.tree_util.tree_flatten_with_path(saved, is_leaf=_has_shape)[0]
         }
 
         def request(keys, leaf, mark):
-            shape = saved_shapes.get(_names(keys), leaf.shape)
-            if mark and shape != leaf.shape:  # read it whole, redistribute below
-                return jax.ShapeDtypeStruct(shape, leaf.dtype)
+            if _is_empty(leaf):  # not saved (see save): rebuilt below
+                return None
+            stored = saved.get(_names(keys))
+            if stored is None:  # orbax names the missing leaf
+                return leaf
+            if stored.dtype is not None and np.dtype(stored.dtype) != np.dtype(leaf.dtype):
+                # Orbax would cast silently, but a state of another dtype is another model.
+                raise ValueError(
+                    f"{jax.tree_util.keystr(keys)} was saved as {np.dtype(stored.dtype)} and the "
+                    f"target asks for {np.dtype(leaf.dtype)}: give the target the saved dtypes"
+                )
+            if mark and tuple(stored.shape) != leaf.shape:  # read it whole, redistribute below
+                return jax.ShapeDtypeStruct(tuple(stored.shape), leaf.dtype)
             return leaf
 
-        wanted = jax.tree_util.tree_map_with_path(request, target, marks)
-        restored = checkpointer.restore(path, wanted)
-    return jax.tree.map(_redistribute, restored, target)
+        wanted = [
+            request(keys, leaf, mark)
+            for (keys, _), leaf, mark in zip(flat, abstract, marks, strict=True)
+        ]
+        try:
+            restored = checkpointer.restore(
+                path, args=ocp.args.StandardRestore(treedef.unflatten(wanted))
+            )
+        except ValueError as error:
+            if "NOT_FOUND" not in str(error):
+                raise
+            raise _incomplete(path, error) from error
+    leaves = []
+    for value, leaf, asked in zip(treedef.flatten_up_to(restored), abstract, wanted, strict=True):
+        leaves.append(_zeros(leaf) if asked is None else _redistribute(value, leaf))
+    restored = treedef.unflatten(leaves)
+    _check_ratios(restored, target)
+    return restored
+
+
+def _zeros(leaf):
+    """A zero-size array like ``leaf``, on its sharding."""
+    if leaf.sharding is None:
+        return jax.numpy.zeros(leaf.shape, leaf.dtype)
+    return jax.make_array_from_callback(
+        leaf.shape, leaf.sharding, lambda index: np.zeros(leaf.shape, leaf.dtype)[index]
+    )
+
+
+def _check_ratios(restored, target) -> None:
+    """Warns where a compressor state of ``target`` holding values has another ratio."""
+    flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_state)[0]
+    got = jax.tree.leaves(restored, is_leaf=_is_state)
+    for (keys, want), have in zip(flat, got, strict=True):
+        if not _is_state(want) or isinstance(want.last.target_density, jax.ShapeDtypeStruct):
+            continue
+        old, new = float(have.last.target_density), float(want.last.target_density)
+        if old != new:
+            warnings.warn(
+                f"the compressor state at {jax.tree_util.keystr(keys)} was saved with ratio "
+                f"{old:.6g} and is restored into a compressor with ratio {new:.6g}: it sends "
+                "the new ratio from now on, and its rule state (SIDCo's stage count), tuned "
+                "for the saved ratio, re-adapts",
+                RatioWarning,
+                stacklevel=3,
+            )
+
+
+def _is_state(node) -> bool:
+    return isinstance(node, CompressState)
 
 
 def _has_shape(node) -> bool:
