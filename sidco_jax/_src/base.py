@@ -87,7 +87,9 @@ class CompressMetrics(NamedTuple):
       overflow: entries above the threshold that did not fit and stayed in the
         residual.
       bytes: bytes of one message (fixed-capacity values + int32 indices).
-      nonfinite: whether the step met a non-finite value and sent nothing.
+      nonfinite: whether the step met a non-finite gradient and sent nothing.
+      dropped: non-finite residual entries set to zero this step (over all
+        devices): what a NaN or an infinity in the state cost.
     """
 
     target_density: jax.Array
@@ -97,6 +99,7 @@ class CompressMetrics(NamedTuple):
     overflow: jax.Array
     bytes: jax.Array
     nonfinite: jax.Array
+    dropped: jax.Array
 
 
 class CompressState(NamedTuple):

@@ -14,7 +14,7 @@ import optax
 from jax import lax
 from jax.scipy import special
 
-from sidco_jax._src import passes
+from sidco_jax._src import fits, passes
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     SLOT_BYTES,
@@ -34,38 +34,6 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.base import k_of as _k
 from sidco_jax._src.loop import sparsifier
-
-
-def _top_k(vectors, k: int, capacity: int, selected) -> tuple[payload_lib.Payload, jax.Array]:
-    """Exact top-k over 1-D ``vectors`` as a payload of ``capacity >= k`` slots.
-
-    Each vector's own top-k, then the top-k of those candidates: exact, and
-    nothing of size ``n`` is concatenated. Returns the payload and the k-th
-    magnitude.
-    """
-    n = sum(v.shape[0] for v in vectors)
-    offset, mags, idx = 0, [], []
-    for v in vectors:
-        if v.shape[0]:
-            m, i = lax.top_k(jnp.abs(v), min(k, v.shape[0]))
-            mags.append(m)
-            idx.append(i.astype(jnp.int32) + offset)
-        offset += v.shape[0]
-    if len(mags) == 1:
-        (mags,), (idx,) = mags, idx
-    else:
-        mags, pick = lax.top_k(jnp.concatenate(mags), k)
-        idx = jnp.concatenate(idx)[pick]
-    pad = capacity - k
-    values = jnp.pad(payload_lib.gather(vectors, idx), (0, pad))
-    indices = jnp.pad(idx, (0, pad), constant_values=n)
-    # jnp.min, not mags[-1]: slicing top_k's output sent XLA's CPU backend down a
-    # path ~30x slower (63 ms against 2 ms at n = 2^18, k = 2621).
-    # count from ``selected`` (data), not a constant: under shard_map a constant
-    # is device-invariant and lax.cond in dgc needs both branches to vary alike.
-    selected = jnp.asarray(selected, jnp.int32)
-    payload = payload_lib.Payload(values, indices, jnp.minimum(selected, k), selected)
-    return payload, jnp.min(mags)
 
 
 def topk(
@@ -106,7 +74,7 @@ def topk(
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
         k = _k(passes.size(vectors), ratio)
-        payload, kth = _top_k(vectors, k, k, k)
+        payload, kth = payload_lib.largest(vectors, k, k, k)
         return Selection(payload, kth, k * SLOT_BYTES)
 
     return sparsifier(
@@ -176,7 +144,7 @@ def dgc(
         selected = passes.count_above(vectors, eta)
 
         def trim(_):
-            return _top_k(vectors, k, cap, selected)
+            return payload_lib.largest(vectors, k, cap, selected)
 
         def keep(_):
             return payload_lib.select_above(vectors, eta, cap), eta
@@ -314,14 +282,19 @@ def gaussiank(
     capacity_factor = check_capacity_factor(capacity_factor)
 
     def select(vectors, abs_sums, state, key):
-        del abs_sums, state, key
+        del state, key
         n = passes.size(vectors)
         k = _k(n, ratio)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
-        total, squares = passes.reduce_each(vectors, [lambda v, z: v + z, lambda v, z: v * v + z])
+        # In units of a power of two near the mean magnitude: squares of
+        # 1e20-scale entries would overflow float32.
+        scale = fits.unit_scale(jnp.sum(abs_sums) / n)
+        total, squares = passes.reduce_each(
+            vectors, [lambda v, z, s: v * s + z, lambda v, z, s: (v * s) ** 2 + z], [1.0 / scale]
+        )
         mean = total / n
         std = jnp.sqrt(jnp.maximum(squares / n - mean * mean, 0.0))
-        eta = jnp.abs(mean) + std * special.ndtri(1.0 - ratio / 2.0)
+        eta = (jnp.abs(mean) + std * special.ndtri(1.0 - ratio / 2.0)) * scale
 
         def correct(_, carry):
             eta, done = carry

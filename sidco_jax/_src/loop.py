@@ -19,6 +19,8 @@ flag, the figures a rule observes) is reduced across the axis first, so every
 device takes the same decision and the update stays replicated.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +30,7 @@ from jax import lax
 from sidco_jax._src import aggregate, passes
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
-    GRANULARITIES,
+    MAX_SIZE,
     AxisName,
     Communication,
     CompressMetrics,
@@ -37,12 +39,13 @@ from sidco_jax._src.base import (
     Rule,
     Selection,
     check_axis,
-    check_choice,
+    check_common,
+    check_seed,
     is_float,
 )
 
 
-def step_metrics(ratio, sent, selected, n, eta, message, finite) -> CompressMetrics:
+def step_metrics(ratio, sent, selected, n, eta, message, finite, dropped=0) -> CompressMetrics:
     """The :class:`CompressMetrics` of a step that sent ``sent`` of ``n`` entries."""
     n = max(n, 1)
     return CompressMetrics(
@@ -53,23 +56,25 @@ def step_metrics(ratio, sent, selected, n, eta, message, finite) -> CompressMetr
         overflow=jnp.where(finite, selected - sent, 0).astype(jnp.int32),
         bytes=jnp.asarray(message, jnp.int32),
         nonfinite=~finite,
+        dropped=jnp.asarray(dropped, jnp.int32),
     )
 
 
-def reduce_figures(axis_name, finite, sent, selected, eta):
+def reduce_figures(axis_name, finite, sent, selected, eta, dropped):
     """This step's figures agreed across ``axis_name``: identical on every device.
 
-    Returns ``(finite, sent, selected, eta)``: finite on every device, the
-    total entries sent and selected, and the mean threshold. One ``psum``.
+    Returns ``(finite, sent, selected, eta, dropped)``: finite on every
+    device, the total entries sent and selected, the mean threshold and the
+    total residual entries dropped. One ``psum``.
     """
     if axis_name is None:
-        return finite, sent, selected, eta
-    ints = jnp.stack([(~finite).astype(jnp.int32), sent.astype(jnp.int32)])
+        return finite, sent, selected, eta, dropped
+    ints = jnp.stack([(~finite).astype(jnp.int32), sent.astype(jnp.int32), dropped])
     # Selected counts can exceed int32 once summed: float32 is enough for a density.
     floats = jnp.concatenate([jnp.reshape(selected, (1,)).astype(jnp.float32), eta.reshape(-1)])
     ints, floats = lax.psum((ints, floats), axis_name)
     devices = lax.axis_size(axis_name)
-    return ints[0] == 0, ints[1], floats[0], (floats[1:] / devices).reshape(eta.shape)
+    return ints[0] == 0, ints[1], floats[0], (floats[1:] / devices).reshape(eta.shape), ints[2]
 
 
 def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
@@ -91,22 +96,30 @@ def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
 
 
 def _round_to_leaves(values, indices, dtypes, sizes):
-    """Rounds each sent value to the dtype of the leaf it belongs to.
+    """Rounds each sent value to the dtype of the leaf it belongs to, saturating.
 
     The update leaves in the gradient's dtype; rounding here, on the payload,
     lets the residual keep the rounding error so that bf16/fp16 lose nothing.
+    A value beyond the dtype's range is sent as its largest finite value, and
+    the residual keeps the excess: an update is never infinite.
     """
-    if all(d == jnp.float32 for d in dtypes):
+
+    def rounded(dtype):
+        top = float(jnp.finfo(dtype).max)
+        return jnp.clip(values, -top, top).astype(dtype).astype(jnp.float32)
+
+    narrow = [jnp.finfo(d).bits < 32 for d in dtypes]  # float32 and float64 hold the values
+    if not any(narrow):
         return values
-    if len(set(dtypes)) == 1:
-        return values.astype(dtypes[0]).astype(jnp.float32)
+    if all(narrow) and len(set(dtypes)) == 1:
+        return rounded(dtypes[0])
     offsets = np.cumsum([0, *sizes])
-    rounded = values
-    for dtype, start, stop in zip(dtypes, offsets[:-1], offsets[1:], strict=True):
-        if dtype != jnp.float32:
+    out = values
+    for dtype, start, stop, cut in zip(dtypes, offsets[:-1], offsets[1:], narrow, strict=True):
+        if cut:
             mine = (indices >= start) & (indices < stop)
-            rounded = jnp.where(mine, values.astype(dtype).astype(jnp.float32), rounded)
-    return rounded
+            out = jnp.where(mine, rounded(dtype), out)
+    return out
 
 
 def residual_like(params, error_feedback: bool = True):
@@ -119,10 +132,62 @@ def residual_like(params, error_feedback: bool = True):
         return None
 
     def zero(leaf):
-        shape = jnp.shape(leaf) if is_float(leaf) else (0,)
-        return jnp.zeros(shape if len(shape) else (1,), jnp.float32)
+        return jnp.zeros(_residual_shape(leaf), _residual_dtype(leaf))
 
     return jax.tree.map(zero, params)
+
+
+def _residual_dtype(leaf):
+    """float32, or the leaf's own dtype where it is wider (float64 under x64)."""
+    return (
+        jnp.promote_types(jnp.asarray(leaf).dtype, jnp.float32) if is_float(leaf) else jnp.float32
+    )
+
+
+def _residual_shape(leaf) -> tuple[int, ...]:
+    if not is_float(leaf):
+        return (0,)
+    return jnp.shape(leaf) or (1,)
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_SIZE:
+        raise ValueError(
+            f"the gradient has {n} floating-point entries; sidco_jax supports at most "
+            "2**31 - 1 (int32 indices): compress parts of the model separately"
+        )
+
+
+def _check_tree(updates, residual) -> None:
+    """Refuses a gradient tree unlike the one ``init`` saw (recorded by the residual's shapes)."""
+    want, got = jax.tree.structure(residual), jax.tree.structure(updates)
+    if want != got:
+        raise ValueError(
+            f"the gradient's tree structure {got} does not match the one given to init {want}"
+        )
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, leaf), r in zip(paths, jax.tree.leaves(residual), strict=True):
+        if _residual_shape(leaf) != r.shape:
+            seen = f"a leaf of shape {r.shape}" if r.size else "a non-floating-point leaf"
+            raise ValueError(
+                f"gradient leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} and "
+                f"dtype {jnp.asarray(leaf).dtype}, but init saw {seen} there: the residual would "
+                "be added to the wrong entries (call init with parameters like the gradients)"
+            )
+
+
+def _devices(axis_name) -> int:
+    """Devices along ``axis_name`` (1 for None), with a clear error where it is unbound."""
+    if axis_name is None:
+        return 1
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as error:
+        raise NameError(
+            f"axis_name {axis_name!r} is not bound here: call the update inside jax.shard_map "
+            "or jax.pmap over that axis, or build the compressor with axis_name=None to "
+            "compress locally"
+        ) from error
 
 
 def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.Array:
@@ -142,7 +207,81 @@ def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.
 
 def _abs_sum(pair, zero):
     g, r = pair
-    return jnp.abs(g.astype(jnp.float32) + r) + zero
+    return jnp.abs(g.astype(r.dtype) + r) + zero
+
+
+def _finite(x) -> jax.Array:
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def _recovered(g, r, gradient_ok):
+    """``g + r`` without what is not finite: a bad gradient or bad residual entries are dropped.
+
+    A sum beyond float32's range saturates, so the entry is sent early rather than lost.
+    """
+    top = jnp.finfo(r.dtype).max
+    g = jnp.where(gradient_ok, g.astype(r.dtype), jnp.zeros((), r.dtype))
+    return jnp.clip(_finite(g) + _finite(r), -top, top)
+
+
+def _warn_dropped(count) -> None:
+    if count > 0:
+        warnings.warn(
+            "sidco_jax dropped non-finite entries of the error-feedback residual (set to zero; "
+            "metrics()['dropped'] counts them); the gradient of the step was kept",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _diagnose(pairs, others, error_feedback):
+    """Runs only when a per-leaf sum is not finite: what exactly is wrong.
+
+    Returns whether every gradient entry is finite, how many residual entries
+    are not (to be dropped), and the per-leaf sums ``|g + r|`` of what remains.
+    """
+    gradient_ok = jnp.all(
+        jnp.stack(
+            [jnp.all(jnp.isfinite(g)) for g, _ in pairs]
+            + [jnp.all(jnp.isfinite(c)) for c in others]
+        )
+    )
+    dropped = jnp.zeros_like(gradient_ok, jnp.int32)  # varies across devices like the rest
+    if error_feedback:
+        dropped += sum(jnp.sum(~jnp.isfinite(r), dtype=jnp.int32) for _, r in pairs)
+        jax.debug.callback(_warn_dropped, dropped)
+    sums = [jnp.sum(jnp.abs(_recovered(g, r, gradient_ok))) for g, r in pairs]
+    sums += [jnp.sum(jnp.abs(_finite(c))) for c in others]
+    return gradient_ok, dropped, jnp.stack(sums).astype(jnp.float32)
+
+
+def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
+    """Fills the payload with the largest magnitudes where a rule selected nothing to send.
+
+    Ties at the threshold (all-equal magnitudes, which error feedback keeps
+    tied) or a threshold over the top would otherwise leave the paid-for
+    payload empty step after step. The exact top-``capacity`` then fills it,
+    ties going to the lower index as in top-k; it only runs on such steps.
+    """
+    payload = chosen.payload
+    if payload is None or chosen.shared:
+        return chosen
+    capacity = payload.values.shape[0]
+    starved = (payload.selected == 0) & (abs_sum > 0)
+
+    def vary(tree):
+        # where(starved, x, x) is x, typed to vary across devices in both
+        # branches (a rule's constant count would not).
+        return jax.tree.map(lambda x: jnp.where(starved, x, x), tree)
+
+    def fill(_):
+        return vary(payload_lib.largest(vectors, capacity, capacity, capacity))
+
+    def keep(_):
+        return vary((payload, jnp.asarray(chosen.threshold, jnp.float32)))
+
+    payload, eta = lax.cond(starved, fill, keep, None)
+    return chosen._replace(payload=payload, threshold=eta)
 
 
 def sparsifier(
@@ -163,6 +302,10 @@ def sparsifier(
     update and the residual are written leaf by leaf, and the non-finite gate
     acts on the fixed-size payload and the step's figures.
 
+    Floating-point leaves are compressed; complex leaves are averaged densely
+    over ``axis_name`` (under the same non-finite gate); other leaves pass
+    through untouched. Zero-size leaves take no part.
+
     Args:
       rule: the :class:`~sidco_jax.Rule` choosing what to send.
       ratio: target density (reported in the metrics).
@@ -178,12 +321,21 @@ def sparsifier(
 
     Returns:
       The transformation; its state is a :class:`~sidco_jax.CompressState`.
+
+    Raises:
+      ValueError: at ``update``, for a gradient tree unlike the one given to
+        ``init`` (structure, shapes, which leaves are floating point) or with
+        more than ``2**31 - 1`` floating-point entries.
+      NameError: at ``update``, when ``axis_name`` is not bound (the update
+        is not inside ``jax.shard_map`` or ``jax.pmap`` over it).
     """
+    ratio = check_common(ratio, granularity, error_feedback)
+    seed = check_seed(seed)
     check_axis(axis_name, communication)
-    check_choice("granularity", granularity, GRANULARITIES)
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
+        _check_size(sum(int(np.prod(jnp.shape(leaf))) for leaf in floats))
         zero = jnp.zeros((), jnp.int32)
         eta = jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32)
         return CompressState(
@@ -195,13 +347,21 @@ def sparsifier(
 
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
+        if error_feedback:
+            _check_tree(updates, state.residual)
+        devices = _devices(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
-        if not float_at:
-            return updates, state._replace(count=state.count + 1)
+        complex_at = [
+            i for i, leaf in enumerate(leaves) if jnp.iscomplexobj(leaf) and np.size(leaf)
+        ]
         grads = [jnp.asarray(leaves[i]) for i in float_at]
         sizes = [g.size for g in grads]
         n = sum(sizes)
+        _check_size(n)
+        if n == 0 and not complex_at:
+            return updates, state._replace(count=state.count + 1)
+        others = [jnp.asarray(leaves[i]) for i in complex_at]
         # Everything full-size keeps the residual's shapes (the leaf's, at least
         # 1-D): a reshape between the in-place write-back and the donated state
         # would cost XLA a copy of every multi-dimensional leaf.
@@ -209,40 +369,64 @@ def sparsifier(
             old = jax.tree.leaves(state.residual)
             old = [old[i] for i in float_at]
         else:
-            old = [jnp.zeros(np.shape(g) or (1,), jnp.float32) for g in grads]
-        flat = [g.reshape(r.shape) for g, r in zip(grads, old, strict=True)]
+            old = [jnp.zeros(np.shape(g) or (1,), _residual_dtype(g)) for g in grads]
+        pairs = [(g.reshape(r.shape), r) for g, r in zip(grads, old, strict=True)]
 
         # First pass, fused with the residual add: sum(|g + r|) per leaf, for
-        # the finite check and for the rules' statistics.
-        abs_sums = jnp.stack(passes.reduce_parts(list(zip(flat, old, strict=True)), _abs_sum))
-        local_finite = jnp.all(jnp.isfinite(abs_sums))
-        # A non-finite device keeps its residual as it was (u = r sends nothing).
+        # the finite check and for the rules' statistics. Only where a sum is
+        # not finite does a second look tell a bad gradient (the step is
+        # skipped) from bad residual entries (dropped) or a mere overflow.
+        abs_sums = passes.reduce_parts(pairs, _abs_sum)
+        abs_sums += [jnp.sum(jnp.abs(c)) for c in others]
+        abs_sums = jnp.stack(abs_sums).astype(jnp.float32)
+        sums_ok = jnp.all(jnp.isfinite(abs_sums))
+
+        def fine(_):
+            return sums_ok, jnp.zeros_like(sums_ok, jnp.int32), abs_sums
+
+        local_finite, dropped, abs_sums = lax.cond(
+            sums_ok, fine, lambda _: _diagnose(pairs, others, error_feedback), None
+        )
+        # A non-finite device keeps its residual (less any bad entry): it sends nothing.
         u = [
-            jnp.where(local_finite, g.astype(jnp.float32) + r, r)
+            jnp.where(sums_ok, g.astype(r.dtype) + r, _recovered(g, r, local_finite))
             if error_feedback
-            else g.astype(jnp.float32)
-            for g, r in zip(flat, old, strict=True)
+            else g.astype(r.dtype)
+            for g, r in pairs
         ]
         key = jax.random.fold_in(jax.random.key(seed), state.count)
 
-        groups = [list(range(len(u)))] if granularity == "model" else [[i] for i in range(len(u))]
-        keys = jax.random.split(key, len(groups))
-        chosen = [
-            rule.select(
-                [u[i].reshape(-1) for i in group], abs_sums[np.asarray(group)], state.rule, k
+        # Zero-size leaves take no part: indices over all leaves are the same without them.
+        used = [i for i in range(len(u)) if sizes[i]]
+        groups = [used] if granularity == "model" else [[i] for i in used]
+        groups = [group for group in groups if group]
+        keys = jax.random.split(key, max(len(groups), 1))
+        chosen = []
+        for group, k in zip(groups, keys, strict=False):
+            # The message is float32; a float64 leaf's residual keeps what it cannot carry.
+            vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
+            sums = abs_sums[np.asarray(group)]
+            selection = rule.select(vectors, sums, state.rule, k)
+            chosen.append(_fill_if_starved(selection, vectors, jnp.sum(sums)))
+        if granularity == "model":
+            etas = chosen[0].threshold if chosen else jnp.zeros((), jnp.float32)
+        else:
+            by_leaf = dict(zip(used, chosen, strict=True))
+            etas = (
+                jnp.stack(
+                    [
+                        by_leaf[i].threshold if i in by_leaf else jnp.float32(0)
+                        for i in range(len(u))
+                    ]
+                )
+                if u
+                else jnp.zeros((0,), jnp.float32)
             )
-            for group, k in zip(groups, keys, strict=True)
-        ]
-        etas = (
-            chosen[0].threshold
-            if granularity == "model"
-            else jnp.stack([c.threshold for c in chosen])
-        )
         shared = all(c.shared for c in chosen)
-        everything = chosen[0].payload is None
+        everything = bool(chosen) and chosen[0].payload is None
         group_sizes = [sum(sizes[i] for i in group) for group in groups]
 
-        if everything:
+        if everything or not chosen:
             sent = jnp.where(local_finite, n, 0).astype(jnp.int32)
             selected = jnp.int32(n)
         else:
@@ -252,15 +436,16 @@ def sparsifier(
         # Every device agrees on the step before anything is sent: one
         # non-finite device makes all of them send nothing, and the rule sees
         # the same figures everywhere.
-        finite, sent, selected, etas = reduce_figures(axis_name, local_finite, sent, selected, etas)
+        finite, sent, selected, etas, dropped = reduce_figures(
+            axis_name, local_finite, sent, selected, etas, dropped
+        )
 
-        devices = 1 if axis_name is None else lax.axis_size(axis_name)
-        if everything:
-            zero = jnp.zeros((), jnp.float32)
+        zero = jnp.zeros((), jnp.float32)
+        if everything or not chosen:
             mean = [jnp.where(finite, x, zero) for x in u]
             if axis_name is not None:
                 mean = lax.pmean(mean, axis_name)
-            message, mode = aggregate.message_bytes("dense", n, n), "dense"
+            message, mode = sum(x.size * x.dtype.itemsize for x in u), "dense"
             left = [jnp.where(finite, zero, x) for x in u]
         else:
             dtypes = [g.dtype for g in grads]
@@ -286,10 +471,17 @@ def sparsifier(
                     u, payload_lib.local_indices(payload.indices, sizes), strict=True
                 )
             ]
+        # Complex leaves are averaged densely: never left out of the collective.
+        dense_complex = [jnp.where(finite, c, jnp.zeros((), c.dtype)) for c in others]
+        if axis_name is not None:
+            dense_complex = lax.pmean(dense_complex, axis_name)
+        message += sum(c.size * c.dtype.itemsize for c in others)
 
         new_leaves = list(leaves)
         for i, part, g in zip(float_at, mean, grads, strict=True):
             new_leaves[i] = part.reshape(g.shape).astype(g.dtype)
+        for i, part in zip(complex_at, dense_complex, strict=True):
+            new_leaves[i] = part
         residual = state.residual
         if error_feedback:
             residual_leaves = jax.tree.leaves(state.residual)
@@ -297,7 +489,7 @@ def sparsifier(
                 residual_leaves[i] = x
             residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual_leaves)
 
-        last = step_metrics(ratio, sent, selected, n * devices, etas, message, finite)
+        last = step_metrics(ratio, sent, selected, n * devices, etas, message, finite, dropped)
         rule_state = rule.observe(state.rule, last)
         new_state = CompressState(residual, state.count + 1, last, rule_state)
         return jax.tree.unflatten(treedef, new_leaves), new_state

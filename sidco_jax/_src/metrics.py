@@ -21,7 +21,9 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       ``selected_density`` (fraction above the threshold before the capacity
       cut), ``threshold``, ``stages``, ``overflow`` (entries above the
       threshold that stayed in the residual), ``bytes`` (payload bytes of the
-      step's message), ``nonfinite`` and ``step``.
+      step's message), ``nonfinite`` (the step met a non-finite gradient and
+      sent nothing), ``dropped`` (non-finite residual entries set to zero) and
+      ``step``.
 
     Raises:
       ValueError: if ``opt_state`` holds no compressor state, or several (pass

@@ -201,10 +201,7 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
     if traced_ratio:  # max_stages on device
         limit = jnp.maximum(jnp.ceil(-jnp.log2(ratio)).astype(jnp.int32), 1)
     mean = total / n
-    # A power of two near the mean magnitude: rescaling by it is exact, keeps
-    # every statistic near 1 in float32 and keeps differences out of denormals.
-    log2_mean = jnp.round(jnp.log2(jnp.where(mean > 0, mean, 1.0)))
-    scale = jnp.where(jnp.isfinite(log2_mean), jnp.exp2(jnp.clip(log2_mean, -100, 100)), 1.0)
+    scale = fits.unit_scale(mean)
 
     stages = jnp.clip(jnp.asarray(stages, jnp.int32), 1, limit)
     single = (stages == 1) | (ratio >= first_ratio)

@@ -1,0 +1,241 @@
+"""Hostile gradients and states: each test reproduces a defect found by probing the public API."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import AXIS, DEVICES, mesh_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sidco_jax as sidco
+
+
+def steps(tx, grads, state=None, count=1):
+    """``count`` jitted updates of ``grads``; returns the updates and states after each."""
+    state = tx.init(grads) if state is None else state
+    update = jax.jit(tx.update)
+    out = []
+    for _ in range(count):
+        sent, state = update(grads, state)
+        out.append((sent, state))
+    return out
+
+
+def assert_no_loss(grads, before, sent, after):
+    """Error feedback: what was sent plus what is left is the gradient plus what was owed."""
+    for g, r0, s, r1 in zip(
+        jax.tree.leaves(grads),
+        jax.tree.leaves(before.residual),
+        jax.tree.leaves(sent),
+        jax.tree.leaves(after.residual),
+        strict=True,
+    ):
+        owed = np.asarray(g, np.float32).reshape(r0.shape) + np.asarray(r0)
+        got = np.asarray(s, np.float32).reshape(r1.shape) + np.asarray(r1)
+        np.testing.assert_array_equal(got, owed)
+
+
+@pytest.mark.parametrize(("dtype", "value"), [(jnp.float16, 40000.0), (jnp.bfloat16, 3e38)])
+def test_a_half_precision_update_saturates_and_keeps_the_rest(dtype, value):
+    # Defect 1: an accumulated residual above the leaf's range was sent as inf,
+    # the residual became -inf, and every later step was skipped.
+    grads = {"w": jnp.full(8, value, dtype)}
+    tx = sidco.topk(0.25)
+    state = tx.init(grads)
+    top = float(jnp.finfo(dtype).max)
+    for _ in range(6):
+        before = state
+        sent, state = jax.jit(tx.update)(grads, state)
+        m = sidco.metrics(state)
+        assert np.all(np.isfinite(np.asarray(sent["w"], np.float32)))
+        assert np.all(np.abs(np.asarray(sent["w"], np.float32)) <= top)
+        assert not bool(m["nonfinite"]) and float(m["density"]) == 0.25
+        assert np.all(np.isfinite(state.residual["w"]))
+        if dtype == jnp.float16:  # float32 holds every sum here: nothing is lost
+            assert_no_loss(grads, before, sent, state)
+
+
+def test_a_nonfinite_residual_is_dropped_reported_and_training_goes_on():
+    # Defect 2: a NaN in the residual (a bad checkpoint, a user's state) made
+    # every later step "non-finite": nothing was ever sent again.
+    g = jnp.arange(100.0) - 50.0
+    tx = sidco.compress(0.1)
+    state = tx.init(g)
+    state = state._replace(residual=state.residual.at[3].set(jnp.nan).at[7].set(-jnp.inf))
+    with pytest.warns(RuntimeWarning, match="non-finite entries of the error-feedback residual"):
+        ((sent, state),) = steps(tx, g, state)
+        jax.effects_barrier()
+    m = sidco.metrics(state)
+    assert int(m["dropped"]) == 2 and not bool(m["nonfinite"]) and float(m["density"]) > 0
+    assert np.all(np.isfinite(sent)) and np.all(np.isfinite(state.residual))
+    # The gradient of that step is kept whole: only the bad residual entries are lost.
+    np.testing.assert_array_equal(np.asarray(sent) + np.asarray(state.residual), np.asarray(g))
+    ((_, state),) = steps(tx, g, state)
+    assert int(sidco.metrics(state)["dropped"]) == 0
+
+
+def test_a_nonfinite_gradient_still_skips_the_step_and_keeps_the_residual():
+    g = jnp.arange(100.0) - 50.0
+    tx = sidco.compress(0.1)
+    ((_, state),) = steps(tx, g)
+    owed = np.asarray(state.residual)
+    ((sent, after),) = steps(tx, g.at[5].set(jnp.nan), state)
+    assert bool(sidco.metrics(after)["nonfinite"]) and int(sidco.metrics(after)["dropped"]) == 0
+    assert not np.any(np.asarray(sent))
+    np.testing.assert_array_equal(after.residual, owed)
+
+
+def run_8_devices(tx, grads):
+    """One step on 8 devices (``grads`` with a leading device axis); per-device updates."""
+    mesh = mesh_of(DEVICES)
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(specs, P(AXIS)),
+        out_specs=(P(AXIS), specs),
+        check_vma=True,
+    )
+    def step(state, grads):
+        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+        return jax.tree.map(lambda u: u[None], update), state
+
+    grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
+    return step(state, grads)
+
+
+@pytest.mark.parametrize("name", ["sidco-e", "topk", "dense"])
+def test_complex_leaves_are_averaged_densely_over_the_axis(name, rng):
+    # Defect 3: complex leaves were left out of the collective: replicas diverged.
+    shape = (DEVICES, 6)
+    grads = {
+        "c": (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(np.complex64),
+        "w": rng.normal(size=(DEVICES, 50)).astype(np.float32),
+    }
+    updates, _ = run_8_devices(sidco.compressor(name, 0.1, axis_name=AXIS), grads)
+    got = np.asarray(updates["c"])
+    np.testing.assert_allclose(got, np.broadcast_to(grads["c"].mean(0), got.shape), rtol=1e-6)
+    assert np.all(got == got[:1])  # bit-identical replicas
+
+
+def test_complex_leaves_follow_the_nonfinite_gate():
+    grads = {"c": jnp.full(4, 1 + 1j, jnp.complex64), "w": jnp.arange(10.0)}
+    tx = sidco.compress(0.2)
+    ((sent, state),) = steps(tx, {**grads, "c": grads["c"].at[0].set(jnp.nan)})
+    assert bool(sidco.metrics(state)["nonfinite"]) and not np.any(np.asarray(sent["c"]))
+    ((sent, state),) = steps(tx, grads, state)
+    np.testing.assert_array_equal(sent["c"], grads["c"])
+
+
+def test_dense_skips_nonfinite_steps_on_every_device(rng):
+    # Defect 4: dense() let NaN through while reporting nonfinite.
+    grads = rng.normal(size=(DEVICES, 20)).astype(np.float32)
+    grads[3, 2] = np.inf
+    updates, state = run_8_devices(sidco.dense(axis_name=AXIS), grads)
+    assert not np.any(np.asarray(updates)) and bool(np.asarray(state.last.nonfinite))
+
+
+def zeros(**shapes):
+    """A tree of float32 zeros; an int shape entry ``("int", n)`` gives an int32 leaf."""
+    return {
+        k: jnp.zeros(v[1], jnp.int32) if v[0] == "int" else jnp.zeros(v, jnp.float32)
+        for k, v in shapes.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("seen", "given", "message"),
+    [
+        (zeros(a=(10,), b=(5,)), zeros(a=(5,), b=(10,)), r"\['a'\].*\(5,\).*init saw.*\(10,\)"),
+        (zeros(a=(10,), b=(5,)), zeros(a=(10,), b=(6,)), r"\['b'\].*\(6,\).*init saw.*\(5,\)"),
+        (zeros(a=(10,)), zeros(a=(10,), b=(5,)), r"structure.*does not match.*init"),
+        (zeros(a=(4,), i=("int", 3)), zeros(a=(4,), i=(3,)), r"\['i'\].*float32.*init saw a non-"),
+    ],
+)
+def test_a_gradient_tree_unlike_the_one_given_to_init_is_refused(seen, given, message):
+    # Defect 5: the same total size silently applied the residual to the wrong entries.
+    for name in ["sidco-e", "topk", "randomk"]:
+        tx = sidco.compressor(name, 0.1)
+        state = tx.init(seen)
+        with pytest.raises(ValueError, match=message):
+            tx.update(given, state)
+
+
+def test_all_equal_gradients_are_sent_round_robin():
+    # Defect 6: jnp.ones(10000) for 30 steps sent nothing (every compressor but
+    # top-k and random-k; the conformance grid checks each at step 1).
+    grads = jnp.ones(10000)
+    tx = sidco.compress(0.01)
+    state = tx.init(grads)
+    sent_total = np.zeros(10000, np.float32)
+    for _ in range(30):
+        before = state
+        sent, state = jax.jit(tx.update)(grads, state)
+        assert_no_loss(grads, before, sent, state)
+        assert float(sidco.metrics(state)["density"]) == np.float32(0.01)
+        sent_total += np.asarray(sent)
+    # The ties fill the payload in index order, so the residual is sent round robin.
+    assert np.count_nonzero(sent_total) == 3000
+
+
+def test_gaussiank_statistics_are_scale_free(rng):
+    # Defect 7: the variance of 1e20-scale gradients overflowed: nothing was sent.
+    g = rng.normal(size=4000).astype(np.float32)
+    tx = sidco.gaussiank(0.01)
+    update = jax.jit(tx.update)
+    densities = []
+    for scale in [1.0, 1e20, 1e-20]:
+        _, state = update(g * np.float32(scale), tx.init(g))
+        assert not bool(sidco.metrics(state)["nonfinite"])
+        densities.append(float(sidco.metrics(state)["density"]))
+    assert densities[0] > 0.005 and densities == [densities[0]] * 3
+
+
+@pytest.mark.parametrize(
+    ("name", "granularity"),
+    [("topk", "leaf"), ("dgc", "leaf"), ("redsync", "model"), ("randomk", "leaf")],
+)
+def test_zero_size_leaves_take_no_part(name, granularity, rng):
+    # Defect 8: zero-size leaves crashed top-k, DGC, RedSync and random-k
+    # (the conformance grid runs every compressor with one).
+    options = {"granularity": granularity}
+    grads = {"a": rng.normal(size=200).astype(np.float32), "z": jnp.zeros((0, 3))}
+    tx = sidco.compressor(name, 0.1, **options)
+    alone = sidco.compressor(name, 0.1, **options)
+    ((sent, state),) = steps(tx, grads)
+    ((want, want_state),) = steps(alone, {"a": grads["a"]})
+    np.testing.assert_array_equal(sent["a"], want["a"])
+    assert sent["z"].shape == (0, 3) and not bool(sidco.metrics(state)["nonfinite"])
+    assert float(sidco.metrics(state)["density"]) == float(sidco.metrics(want_state)["density"])
+
+
+def test_only_zero_size_leaves_is_a_no_op():
+    grads = {"z": jnp.zeros((0,))}
+    for name in sidco.COMPRESSORS:
+        ((sent, state),) = steps(sidco.compressor(name, 0.1), grads)
+        assert sent["z"].shape == (0,) and int(state.count) == 1
+
+
+def test_an_unbound_axis_name_says_what_to_do():
+    # Defect 11: NameError: unbound axis name, from deep inside psum.
+    tx = sidco.compress(0.1, axis_name="data")
+    g = jnp.ones(10)
+    with pytest.raises(NameError, match=r"'data'.*jax.shard_map or jax.pmap.*axis_name=None"):
+        tx.update(g, tx.init(g))
+
+
+def test_more_than_2_31_entries_are_refused_with_a_clear_error():
+    tx = sidco.compress(0.01)
+    big = {
+        "a": jax.ShapeDtypeStruct((2**30,), jnp.float32),
+        "b": jax.ShapeDtypeStruct((2**30,), jnp.float32),
+    }
+    with pytest.raises(ValueError, match=r"2147483648 floating-point entries.*at most 2\*\*31 - 1"):
+        jax.eval_shape(tx.init, big)
