@@ -1,0 +1,300 @@
+"""Every compressor through the same hostile inputs, checked for the same properties.
+
+One gradient tree holds every kind of leaf (float32, bfloat16, float16 near
+its range limit, int, bool, complex, zero-size, size-1, all-equal), so each
+compressor compiles once per case and then runs a sequence of scenarios of the
+same shapes: NaN and inf in the gradient and in the state, 1e30-scale and
+denormal magnitudes, all-equal leaves. After every step:
+
+* no exception;
+* the update and the whole state are finite;
+* error feedback loses nothing: ``sent + new residual == gradient + old
+  residual`` exactly (less the non-finite residual entries, which are
+  dropped and counted); a skipped step keeps the residual;
+* a finite step with anything to send sends something (no starved payload);
+* on 8 devices the replicas are identical.
+
+docs/optax.md ("What happens when") tabulates the outcomes.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import AXIS, DEVICES, mesh_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sidco_jax as sidco
+
+LEAVES = {  # name: (shape, dtype)
+    "f32": ((6, 8), np.float32),
+    "bf16": ((24,), jnp.bfloat16),
+    "f16": ((16,), np.float16),
+    "int": ((3,), np.int32),
+    "bool": ((2,), np.bool_),
+    "complex": ((4,), np.complex64),
+    "empty": ((0, 3), np.float32),
+    "one": ((1,), np.float32),
+    "equal": ((32,), np.float32),
+}
+FLOATS = [k for k, (_, d) in LEAVES.items() if jnp.issubdtype(d, jnp.floating)]
+
+
+def base_gradient(rng) -> dict:
+    g = {}
+    for name, (shape, dtype) in LEAVES.items():
+        if name == "f16":  # near the float16 limit (65504): error feedback overflows it
+            value = rng.choice([-1, 1], shape) * rng.uniform(30000, 60000, shape)
+        elif name == "complex":
+            value = rng.normal(size=shape) + 1j * rng.normal(size=shape)
+        elif name == "equal":
+            value = np.full(shape, 0.5)
+        elif dtype == np.bool_:
+            value = rng.integers(0, 2, shape)
+        elif dtype == np.int32:
+            value = rng.integers(-5, 5, shape)
+        else:
+            value = rng.normal(size=shape)
+        g[name] = np.asarray(value).astype(dtype)
+    return g
+
+
+def scaled(g, factor, names=("f32", "bf16", "one", "equal", "complex")):
+    """``g`` with the leaves ``names`` multiplied by ``factor`` (float16 cannot hold it)."""
+    return {k: (v * np.float32(factor)).astype(v.dtype) if k in names else v for k, v in g.items()}
+
+
+def poke(g, name, index, value):
+    out = dict(g)
+    out[name] = g[name].copy()
+    out[name].reshape(-1)[index] = value
+    return out
+
+
+def equal_everywhere(g):
+    return {k: np.full(v.shape, 0.25, v.dtype) if k in FLOATS else v for k, v in g.items()}
+
+
+def float32_limit(g):
+    """float32 leaves scaled to a largest magnitude of 3e38: their sums overflow, no entry does."""
+    out = dict(g)
+    for k in ("f32", "one"):
+        out[k] = (g[k] / np.max(np.abs(g[k])) * np.float32(3e38)).astype(np.float32)
+    return out
+
+
+# (name, gradient from the base one, residual leaf to poison or None, gradient is non-finite)
+SCENARIOS = [
+    ("all equal", equal_everywhere, None, False),  # first: the residual is zero, u is tied
+    ("plain", lambda g: g, None, False),
+    ("nan in the gradient", lambda g: poke(g, "f32", 5, np.nan), None, True),
+    ("inf in a bf16 gradient", lambda g: poke(g, "bf16", 0, np.inf), None, True),
+    ("nan in a size-1 gradient", lambda g: poke(g, "one", 0, np.nan), None, True),
+    ("inf in a complex gradient", lambda g: poke(g, "complex", 1, np.inf), None, True),
+    ("nan and inf in the residual", lambda g: g, "f32", False),
+    ("1e30 scale", lambda g: scaled(g, 1e30), None, False),
+    ("denormal scale", lambda g: scaled(g, 1e-40), None, False),
+    ("nan in the gradient and the residual", lambda g: poke(g, "f32", 0, np.nan), "one", True),
+    ("float32 limit", float32_limit, None, False),
+    ("plain again", lambda g: g, None, False),
+]
+
+
+def flush(x):
+    """XLA's CPU arithmetic flushes denormals to zero: the reference does too."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
+
+
+def poison(residual, name):
+    """The residual with NaN and -inf written into leaf ``name`` (first two entries)."""
+    leaf = residual[name]
+    flat = leaf.reshape(-1).at[0].set(np.nan)
+    if flat.size > 1:
+        flat = flat.at[1].set(-np.inf)
+    return {**residual, name: flat.reshape(leaf.shape)}
+
+
+def assert_finite_tree(tree, what):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        leaf = np.asarray(leaf)
+        if np.issubdtype(leaf.dtype, np.inexact) or leaf.dtype == jnp.bfloat16:
+            assert np.all(np.isfinite(leaf.astype(np.complex64))), (
+                f"{what}{jax.tree_util.keystr(path)}"
+            )
+
+
+def check_step(name, g, before, sent, after, skipped):
+    """The properties of one local step (a :class:`CompressState` before and after)."""
+    m = after.last
+    assert bool(m.nonfinite) == skipped, name
+    assert_finite_tree(sent, "update")
+    assert_finite_tree(after, "state")
+    for k in ("int", "bool"):
+        np.testing.assert_array_equal(sent[k], g[k])
+    np.testing.assert_array_equal(sent["complex"], 0 if skipped else g["complex"])
+    if before.residual is None:  # dense: the gradient itself, or nothing
+        for k in FLOATS:
+            want = np.zeros(g[k].shape) if skipped else np.asarray(g[k], np.float32)
+            np.testing.assert_array_equal(np.asarray(sent[k], np.float32), want, err_msg=name)
+        return
+    dropped = 0
+    for k in FLOATS:
+        old = np.asarray(before.residual[k])
+        clean = np.where(np.isfinite(old), old, np.float32(0))
+        dropped += int(np.sum(~np.isfinite(old)))
+        new = np.asarray(after.residual[k])
+        if skipped:  # nothing sent; a bad gradient is dropped, the residual kept
+            assert not np.any(np.asarray(sent[k], np.float32)), name
+            np.testing.assert_array_equal(new, clean, err_msg=f"{name}: {k}")
+        else:
+            owed = flush(flush(g[k]).reshape(old.shape) + clean)
+            got = np.asarray(sent[k], np.float32).reshape(old.shape) + new
+            if name == "float32 limit":  # what float32 cannot hold saturates
+                top = np.finfo(np.float32).max
+                owed = np.clip(flush(g[k]).reshape(old.shape).astype(np.float64) + clean, -top, top)
+                got = np.asarray(sent[k], np.float64).reshape(old.shape) + new
+                np.testing.assert_allclose(got, owed, rtol=1e-6, err_msg=f"{name}: {k}")
+                continue
+            np.testing.assert_array_equal(got, owed, err_msg=f"{name}: {k}")
+    assert int(m.dropped) == dropped, name
+    anything = any(np.any(flush(g[k]) != 0) for k in FLOATS)
+    if not skipped and anything:
+        assert float(m.density) > 0, f"{name}: a starved payload"
+
+
+# Leaf granularity runs the rule once per leaf: the kinds of rule (threshold fits,
+# top-k, sampling, search, correction, random) once each keep the grid fast.
+LEAF_RULES = ("sidco-e", "topk", "dgc", "gaussiank", "redsync", "randomk")
+CASES = [(n, "model") for n in sidco.COMPRESSORS] + [(n, "leaf") for n in LEAF_RULES]
+
+
+@pytest.mark.parametrize(("name", "granularity"), CASES)
+def test_every_compressor_survives_every_hostile_input(name, granularity, rng):
+    options = {} if name == "dense" else {"granularity": granularity}
+    tx = sidco.compressor(name, 0.1, **options)
+    base = base_gradient(rng)
+    state = tx.init(base)
+    update = jax.jit(tx.update)
+    for scenario, make, poisoned, skipped in SCENARIOS:
+        g = make(base)
+        if poisoned and state.residual is not None:
+            state = state._replace(residual=poison(state.residual, poisoned))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the dropped-residual warning
+            sent, after = update(g, state)
+            jax.effects_barrier()
+        check_step(scenario, g, state, sent, after, skipped)
+        state = after
+    assert int(state.count) == len(SCENARIOS)
+
+
+def per_device(make, rng):
+    """A gradient of every device (leading axis), ``make`` applied to device 3's only."""
+    grads = [base_gradient(rng) for _ in range(DEVICES)]
+    grads[3] = make(grads[3])
+    return {k: np.stack([g[k] for g in grads]) for k in LEAVES}
+
+
+SPARSE = [n for n in sidco.COMPRESSORS if n not in ("randomk", "dense")]  # payloads with indices
+# The aggregation modes are shared code: "dense" (psum) once per kind of payload.
+MESH_CASES = (
+    [(n, "model", "sparse") for n in SPARSE]
+    + [("sidco-e", "model", "dense"), ("dgc", "model", "dense")]
+    + [("randomk", "model", "auto"), ("dense", "model", "auto")]
+    + [(n, "leaf", "sparse") for n in ("sidco-e", "topk", "randomk")]
+)
+
+
+@pytest.mark.parametrize(("name", "granularity", "communication"), MESH_CASES)
+def test_every_compressor_survives_hostile_input_on_8_devices(
+    name, granularity, communication, rng
+):
+    options = {} if name == "dense" else {"granularity": granularity}
+    if name not in ("dense", "randomk"):
+        options["communication"] = communication
+    tx = sidco.compressor(name, 0.1, axis_name=AXIS, **options)
+    mesh = mesh_of(DEVICES)
+    params = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in LEAVES.items()}
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(AXIS), specs)
+    )
+    def step(state, grads):
+        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+        return jax.tree.map(lambda u: u[None], update), state
+
+    for scenario, make, poisoned, skipped in SCENARIOS:
+        g = per_device(make, rng)
+        if poisoned and state.residual is not None:  # device 5's residual only
+            rows = np.split(np.asarray(state.residual[poisoned]), DEVICES)
+            rows[5] = np.asarray(poison({poisoned: jnp.asarray(rows[5])}, poisoned)[poisoned])
+            bad = jax.device_put(np.concatenate(rows), state.residual[poisoned].sharding)
+            state = state._replace(residual={**state.residual, poisoned: bad})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the dropped-residual warning
+            sent, after = step(state, jax.device_put(g, NamedSharding(mesh, P(AXIS))))
+            jax.effects_barrier()
+        assert bool(after.last.nonfinite) == skipped, scenario
+        assert_finite_tree(sent, "update")
+        assert_finite_tree(after, "state")
+        for k in [*FLOATS, "complex"]:  # every device applies the same update, bit for bit
+            u = sent[k]
+            u = np.asarray(u.astype(np.float32) if u.dtype == jnp.bfloat16 else u)
+            assert np.all(u == u[:1]) or (u.size == 0), f"{scenario}: {k} differs across devices"
+        if after.residual is not None:
+            for k in FLOATS:  # what all devices sent is what they owed, less what they kept
+                old = np.asarray(state.residual[k]).reshape(DEVICES, -1)
+                new = np.asarray(after.residual[k]).reshape(DEVICES, -1)
+                clean = np.where(np.isfinite(old), old, np.float32(0))
+                mean = np.asarray(sent[k], np.float32)[0].reshape(-1)
+                if skipped:
+                    np.testing.assert_array_equal(mean, 0)
+                    owed = clean + np.where(
+                        np.arange(DEVICES)[:, None] == 3, 0, flush(g[k]).reshape(DEVICES, -1)
+                    )
+                    np.testing.assert_array_equal(new, owed, err_msg=f"{scenario}: {k}")
+                else:
+                    given = flush(g[k]).reshape(DEVICES, -1) + clean - new
+                    # float32 sums of 8 terms, then the mean rounded to the leaf's dtype.
+                    bound = float(jnp.finfo(LEAVES[k][1]).eps) * np.abs(mean) + 8 * float(
+                        np.finfo(np.float32).eps
+                    ) * np.max(np.abs(given), axis=0)
+                    error = np.abs(mean - given.sum(0) / DEVICES)
+                    assert np.all(error <= bound), f"{scenario}: {k} {np.max(error - bound)}"
+        state = after
+
+
+@pytest.mark.parametrize("name", sidco.COMPRESSORS)
+def test_float64_leaves_under_x64_lose_nothing(name, rng):
+    # The message is float32; a float64 leaf's residual keeps what float32 cannot carry.
+    with jax.enable_x64(True):
+        g = {
+            "f64": rng.normal(size=40) * (1 + 1e-12),  # more digits than float32 holds
+            "f32": rng.normal(size=30).astype(np.float32),
+        }
+        tx = sidco.compressor(name, 0.1)
+        state = tx.init(g)
+        assert state.residual is None or state.residual["f64"].dtype == np.float64
+        update = jax.jit(tx.update)
+        for skipped in (False, True, False):
+            grads = poke(g, "f64", 3, np.nan) if skipped else g
+            sent, after = update(grads, state)
+            assert sent["f64"].dtype == np.float64 and bool(after.last.nonfinite) == skipped
+            for k in g:
+                s = np.asarray(sent[k], np.float64)
+                if skipped:
+                    assert not np.any(s)
+                elif state.residual is None:
+                    np.testing.assert_array_equal(s, g[k])
+                else:
+                    owed = g[k] + np.asarray(state.residual[k])
+                    np.testing.assert_array_equal(s + np.asarray(after.residual[k]), owed)
+            state = after
