@@ -91,6 +91,25 @@ def run_shard_map(tx, stream, devices=DEVICES, start=None):
     return updates, states, params
 
 
+def per_device_step(tx, mesh, state):
+    """A jitted ``shard_map`` step over ``AXIS``: per-device gradients in, per-device updates out.
+
+    Gradients carry a leading device axis; so do the returned updates, so that
+    tests can compare the replicas. The state has the specs of ``state``.
+    """
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(AXIS), specs)
+    )
+    def step(state, grads):
+        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+        return jax.tree.map(lambda u: u[None], update), state
+
+    return step
+
+
 def run_local(tx, stream, device=0):
     """``tx`` (without an axis) on one device's gradients, plain jit."""
     state = tx.init(params_tree())

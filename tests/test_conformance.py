@@ -17,14 +17,13 @@ denormal magnitudes, all-equal leaves. After every step:
 docs/optax.md ("What happens when") tabulates the outcomes.
 """
 
-import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, DEVICES, mesh_of
+from harness import AXIS, DEVICES, mesh_of, per_device_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -221,15 +220,7 @@ def test_every_compressor_survives_hostile_input_on_8_devices(
     mesh = mesh_of(DEVICES)
     params = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in LEAVES.items()}
     state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(AXIS), specs)
-    )
-    def step(state, grads):
-        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-        return jax.tree.map(lambda u: u[None], update), state
+    step = per_device_step(tx, mesh, state)
 
     for scenario, make, poisoned, skipped in SCENARIOS:
         g = per_device(make, rng)

@@ -1,12 +1,10 @@
 """Hostile gradients and states: each test reproduces a defect found by probing the public API."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, DEVICES, mesh_of
+from harness import AXIS, DEVICES, mesh_of, per_device_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -93,22 +91,8 @@ def run_8_devices(tx, grads):
     mesh = mesh_of(DEVICES)
     params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
     state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(specs, P(AXIS)),
-        out_specs=(P(AXIS), specs),
-        check_vma=True,
-    )
-    def step(state, grads):
-        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-        return jax.tree.map(lambda u: u[None], update), state
-
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
-    return step(state, grads)
+    return per_device_step(tx, mesh, state)(state, grads)
 
 
 @pytest.mark.parametrize("name", ["sidco-e", "topk", "dense"])
