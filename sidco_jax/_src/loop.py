@@ -398,11 +398,10 @@ def sparsifier(
 
         # Zero-size leaves take no part: indices over all leaves are the same without them.
         used = [i for i in range(len(u)) if sizes[i]]
-        groups = [used] if granularity == "model" else [[i] for i in used]
-        groups = [group for group in groups if group]
-        keys = jax.random.split(key, max(len(groups), 1))
+        groups = ([used] if used else []) if granularity == "model" else [[i] for i in used]
+        keys = jax.random.split(key, len(groups)) if groups else []
         chosen = []
-        for group, k in zip(groups, keys, strict=False):
+        for group, k in zip(groups, keys, strict=True):
             # The message is float32; a float64 leaf's residual keeps what it cannot carry.
             vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
             sums = abs_sums[np.asarray(group)]
@@ -410,18 +409,9 @@ def sparsifier(
             chosen.append(_fill_if_starved(selection, vectors, jnp.sum(sums)))
         if granularity == "model":
             etas = chosen[0].threshold if chosen else jnp.zeros((), jnp.float32)
-        else:
-            by_leaf = dict(zip(used, chosen, strict=True))
-            etas = (
-                jnp.stack(
-                    [
-                        by_leaf[i].threshold if i in by_leaf else jnp.float32(0)
-                        for i in range(len(u))
-                    ]
-                )
-                if u
-                else jnp.zeros((0,), jnp.float32)
-            )
+        else:  # one threshold per floating-point leaf, 0 for the zero-size ones
+            by_leaf = {i: c.threshold for i, c in zip(used, chosen, strict=True)}
+            etas = jnp.asarray([by_leaf.get(i, 0.0) for i in range(len(u))], jnp.float32)
         shared = all(c.shared for c in chosen)
         everything = bool(chosen) and chosen[0].payload is None
         group_sizes = [sum(sizes[i] for i in group) for group in groups]
@@ -445,7 +435,7 @@ def sparsifier(
             mean = [jnp.where(finite, x, zero) for x in u]
             if axis_name is not None:
                 mean = lax.pmean(mean, axis_name)
-            message, mode = sum(x.size * x.dtype.itemsize for x in u), "dense"
+            message = sum(x.size * x.dtype.itemsize for x in u)
             left = [jnp.where(finite, zero, x) for x in u]
         else:
             dtypes = [g.dtype for g in grads]
