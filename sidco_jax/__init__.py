@@ -1,10 +1,11 @@
 """sidco_jax: SIDCo statistical gradient compression for JAX.
 
 The public API is flat; the distribution fits and quantiles live in
-:mod:`sidco_jax.stats`; everything under ``sidco_jax._src`` is private.
+:mod:`sidco_jax.stats` and the communication cost model in
+:mod:`sidco_jax.costs`; everything under ``sidco_jax._src`` is private.
 """
 
-from sidco_jax import stats
+from sidco_jax import costs, stats
 from sidco_jax._src.base import (
     ESTIMATORS,
     GRANULARITIES,
@@ -22,6 +23,7 @@ from sidco_jax._src.base import (
 from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
 from sidco_jax._src.checkpoint import RatioWarning, ResidualWarning, restore, save
 from sidco_jax._src.control import RULES, StageControl
+from sidco_jax._src.costs import Link
 from sidco_jax._src.hlo import Collective, hlo_collectives
 from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.metrics import metrics
@@ -43,6 +45,7 @@ __all__ = [
     "Collective",
     "CompressMetrics",
     "CompressState",
+    "Link",
     "ObserveFn",
     "Payload",
     "RatioWarning",
@@ -56,6 +59,7 @@ __all__ = [
     "capacity",
     "compress",
     "compressor",
+    "costs",
     "dense",
     "densify",
     "dgc",

@@ -131,17 +131,34 @@ def assert_trees_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def train_least_squares(steps: int, ratio: float = 0.05, per_device: int = 16, features: int = 256):
+def train_least_squares(
+    steps: int,
+    ratio: float = 0.05,
+    per_device: int = 16,
+    features: int = 256,
+    hierarchical: bool = False,
+):
     """Data-parallel least squares over every device of every process (``jax.devices()``).
 
     The same on one process with 8 devices and on several processes: the data
     come from a fixed seed and each process supplies only its devices' rows.
+    ``hierarchical`` runs on a 2 x (devices / 2) mesh: the gradient averaged
+    densely over ``"local"`` and compressed over ``"node"``.
 
     Returns:
       The final weights and the compressor's metrics, as NumPy values.
     """
     devices = jax.device_count()
-    mesh = jax.make_mesh((devices,), (AXIS,))
+    if hierarchical:
+        mesh = jax.make_mesh((2, devices // 2), ("node", "local"))
+        axis, data_axes = "node", ("node", "local")
+        tx = optax.chain(
+            sidco.compress(ratio, axis_name="node", inner_axis="local"), optax.sgd(0.05)
+        )
+    else:
+        mesh = jax.make_mesh((devices,), (AXIS,))
+        axis, data_axes = AXIS, AXIS
+        tx = optax.chain(sidco.compress(ratio, axis_name=AXIS), optax.sgd(0.05))
     data = np.random.default_rng(7)
     x = data.normal(size=(devices * per_device, features)).astype(np.float32)
     y = (x @ data.normal(size=features) + 0.1 * data.normal(size=len(x))).astype(np.float32)
@@ -150,11 +167,10 @@ def train_least_squares(steps: int, ratio: float = 0.05, per_device: int = 16, f
         sharding = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    x, y = place(x, P(AXIS)), place(y, P(AXIS))
+    x, y = place(x, P(data_axes)), place(y, P(data_axes))
     params = place(np.zeros(features, np.float32), P())
-    tx = optax.chain(sidco.compress(ratio, axis_name=AXIS), optax.sgd(0.05))
-    state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
+    state = sidco.shard_init(tx, params, mesh, axis)
+    specs = sidco.state_specs(state, axis)
 
     def loss(w, x, y):
         return jnp.mean((x @ w - y) ** 2)
@@ -163,11 +179,11 @@ def train_least_squares(steps: int, ratio: float = 0.05, per_device: int = 16, f
     @functools.partial(
         jax.shard_map,
         mesh=mesh,
-        in_specs=(P(), specs, P(AXIS), P(AXIS)),
+        in_specs=(P(), specs, P(data_axes), P(data_axes)),
         out_specs=(P(), specs),
     )
     def step(w, state, x, y):
-        grads = jax.grad(loss)(jax.lax.pcast(w, AXIS, to="varying"), x, y)
+        grads = jax.grad(loss)(jax.lax.pcast(w, data_axes, to="varying"), x, y)
         updates, state = tx.update(grads, state, w)
         return optax.apply_updates(w, updates), state
 

@@ -1,11 +1,12 @@
 """One process of the multi-process test (tests/test_multiprocess.py).
 
-Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING]``
+Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING [HIERARCHICAL]]``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the
 ``jax.distributed`` job on localhost with gloo CPU collectives, trains
 ``harness.train_least_squares`` over every process's devices and writes the
-result to ``OUT`` (process 0). Process ``DYING``, if given, exits abruptly
-after joining, as a crashed worker would.
+result to ``OUT`` (process 0). Process ``DYING``, if given (-1: none), exits
+abruptly after joining, as a crashed worker would. ``HIERARCHICAL`` (0 or 1)
+trains on a node x local mesh, one node per process.
 """
 
 import os
@@ -14,7 +15,9 @@ import sys
 STEPS = 30
 
 
-def main(process_id: int, processes: int, port: int, out: str, dying: int = -1) -> None:
+def main(
+    process_id: int, processes: int, port: int, out: str, dying: int = -1, hierarchical: int = 0
+) -> None:
     import jax
     import numpy as np
 
@@ -31,7 +34,7 @@ def main(process_id: int, processes: int, port: int, out: str, dying: int = -1) 
 
     if process_id == dying:
         os._exit(17)
-    params, metrics = train_least_squares(STEPS)
+    params, metrics = train_least_squares(STEPS, hierarchical=bool(hierarchical))
     if process_id == 0:
         np.savez(out, params=params, **metrics)
     jax.distributed.shutdown()

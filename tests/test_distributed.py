@@ -176,11 +176,12 @@ def test_one_nonfinite_device_stops_every_device(rng):
 
 
 def test_auto_communication_moves_fewer_bytes():
-    assert sidco.MODES == ("auto", "sparse", "dense")
+    assert sidco.MODES == ("auto", "sparse", "dense", "sparse_allreduce")
     from sidco_jax._src import aggregate
 
-    assert aggregate.resolve("auto", 10_000, 1000, 8) == "sparse"  # 8000 < 10000
-    assert aggregate.resolve("auto", 10_000, 1300, 8) == "dense"
+    # Two devices: 8 bytes a slot from one peer against a ring's 4 bytes an entry.
+    assert aggregate.resolve("auto", 10**7, 4 * 10**6, 2) == "sparse"  # 32 MB < 40 MB
+    assert aggregate.resolve("auto", 10**7, 6 * 10**6, 2) == "dense"  # 48 MB > 40 MB
     assert aggregate.resolve("sparse", 10_000, 5000, 8) == "sparse"
 
 
@@ -228,8 +229,8 @@ def test_compiled_step_communicates_the_payload_not_the_gradient(ratio):
     n = 2**16
     mesh = mesh_of()
     for tx, cap in (
-        (sidco.compress(ratio, axis_name=AXIS), sidco.capacity(n, ratio)),
-        (sidco.topk(ratio, axis_name=AXIS), int(n * ratio)),
+        (sidco.compress(ratio, axis_name=AXIS, communication="sparse"), sidco.capacity(n, ratio)),
+        (sidco.topk(ratio, axis_name=AXIS, communication="sparse"), int(n * ratio)),
     ):
         found = sidco.hlo_collectives(_train_step(optax.chain(tx, optax.sgd(0.1)), mesh, n))
         gathered = sum(c.operand_bytes for c in found if c.kind == "all-gather")

@@ -1,7 +1,7 @@
 """Averaging the devices' sparse messages over a named mesh axis.
 
-Every device holds one fixed-capacity payload for the whole model. Two ways to
-turn the payloads into the mean update, both ending replicated (invariant)
+Every device holds one fixed-capacity payload for the whole model. Three ways to
+turn the payloads into the mean update, all ending replicated (invariant)
 across the axis so that parameters with ``out_specs=P()`` work under
 ``jax.shard_map(check_vma=True)``:
 
@@ -10,46 +10,36 @@ across the axis so that parameters with ``out_specs=P()`` work under
   receives ``(devices - 1) x capacity x 8`` bytes.
 * ``"dense"``: scatter the local payload into a dense vector and ``psum`` it.
   A ring all-reduce moves ``2 (devices - 1) / devices x 4n`` bytes per device.
+* ``"sparse_allreduce"``: route each entry to the device owning its region,
+  reduce and select again there, gather the reduced regions
+  (:mod:`sparse_allreduce`): under ``3 x capacity x 8`` bytes per device.
 
-``"auto"`` takes the one that moves fewer bytes, decided at trace time from
-the static sizes: sparse exactly when ``devices x capacity < n``. Payloads
-whose indices are the same on every device (random-k) need only a ``psum`` of
-the values, which is always the cheapest.
+``"auto"`` takes the one the alpha-beta model of :mod:`costs` finds cheapest,
+decided at trace time from the static sizes and the link. Payloads whose
+indices are the same on every device (random-k) need only a ``psum`` of the
+values, which is always the cheapest.
 """
 
 import jax
 from jax import lax
 
+from sidco_jax._src import costs
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import INDEX_BYTES, VALUE_BYTES, AxisName
 
 
-def wire_bytes(mode: str, size: int, capacity: int, devices: int, shared: bool = False) -> float:
-    """Bytes one device receives to average the payloads in ``mode``.
-
-    Args:
-      mode: ``"sparse"`` or ``"dense"``.
-      size: entries of the dense vector.
-      capacity: payload slots per device.
-      devices: devices along the axis.
-      shared: whether every device's payload has the same indices.
-
-    Returns:
-      The bytes (0 on a single device).
-    """
-    if mode == "dense":
-        return 2 * (devices - 1) / devices * VALUE_BYTES * size
-    if shared:
-        return 2 * (devices - 1) / devices * VALUE_BYTES * capacity
-    return (devices - 1) * capacity * (VALUE_BYTES + INDEX_BYTES)
-
-
-def resolve(mode: str, size: int, capacity: int, devices: int, shared: bool = False) -> str:
-    """The concrete mode: ``mode`` itself, or for ``"auto"`` the one moving fewer bytes."""
+def resolve(
+    mode: str,
+    size: int,
+    capacity: int,
+    devices: int,
+    link: costs.Link = costs.DEFAULT_LINK,
+    shared: bool = False,
+) -> str:
+    """The concrete mode: ``mode`` itself, or for ``"auto"`` the cheapest in :mod:`costs`."""
     if mode != "auto":
         return mode
-    sparse = wire_bytes("sparse", size, capacity, devices, shared)
-    return "sparse" if sparse <= wire_bytes("dense", size, capacity, devices) else "dense"
+    return costs.choose(size, capacity, devices, link, shared)
 
 
 def message_bytes(mode: str, size: int, capacity: int, shared: bool = False) -> int:
@@ -74,7 +64,8 @@ def mean(
       sizes: lengths of the dense vectors (one per gradient leaf).
       axis_name: the mesh axis (or tuple of axes) to average over; None for
         this device's own payload, densified.
-      mode: ``"sparse"`` or ``"dense"`` (resolved, see :func:`resolve`).
+      mode: ``"sparse"`` or ``"dense"`` (resolved, see :func:`resolve`; the
+        sparse all-reduce has its own module).
       shared: whether the indices are the same on every device.
 
     Returns:

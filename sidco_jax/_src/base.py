@@ -22,7 +22,7 @@ import optax
 
 Estimator = Literal["exponential", "gpareto", "gamma"]
 Granularity = Literal["model", "leaf"]
-Communication = Literal["auto", "sparse", "dense"]
+Communication = Literal["auto", "sparse", "dense", "sparse_allreduce"]
 AxisName = str | tuple[str, ...]  # a mesh axis name or a tuple of them
 
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
@@ -356,14 +356,31 @@ def float_vectors(x, caller: str) -> list[jax.Array]:
     return leaves
 
 
-def check_axis(axis_name, communication: str = "auto") -> None:
-    """Validates ``axis_name`` and ``communication`` (raises ``ValueError``)."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if axis_name is not None and not (names and all(isinstance(a, str) for a in names)):
-        raise ValueError(
-            f"axis_name must be None, a mesh axis name or a tuple of them, got {axis_name!r}"
-        )
+def _axes(axis_name) -> tuple:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def check_axis(axis_name, communication: str = "auto", inner_axis=None) -> None:
+    """Validates ``axis_name``, ``communication`` and ``inner_axis`` (raises ``ValueError``)."""
+    for name, value in (("axis_name", axis_name), ("inner_axis", inner_axis)):
+        names = _axes(value)
+        if value is not None and not (names and all(isinstance(a, str) for a in names)):
+            raise ValueError(
+                f"{name} must be None, a mesh axis name or a tuple of them, got {value!r}"
+            )
     check_mode(communication)
+    if inner_axis is None:
+        return
+    if axis_name is None:
+        raise ValueError(
+            f"inner_axis={inner_axis!r} needs an axis_name to compress over (the slow axis "
+            "across nodes); without one, average over the inner axis yourself"
+        )
+    if set(_axes(inner_axis)) & set(_axes(axis_name)):
+        raise ValueError(
+            f"inner_axis={inner_axis!r} must differ from axis_name={axis_name!r}: the inner "
+            "axis is averaged densely, axis_name is compressed"
+        )
 
 
 def check_common(ratio, granularity, error_feedback) -> float:

@@ -33,6 +33,7 @@ from sidco_jax._src.base import (
     static,
 )
 from sidco_jax._src.base import k_of as _k
+from sidco_jax._src.costs import Link
 from sidco_jax._src.loop import sparsifier
 
 
@@ -43,6 +44,8 @@ def topk(
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    inner_axis: AxisName | None = None,
+    link: Link | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
 
@@ -51,7 +54,10 @@ def topk(
       granularity: ``"model"`` or ``"leaf"`` (see :func:`compress`).
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
+        ``"sparse_allreduce"`` (see :func:`compress`).
+      inner_axis: fast axis averaged densely first (see :func:`compress`).
+      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -84,6 +90,8 @@ def topk(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        inner_axis=inner_axis,
+        link=link,
     )
 
 
@@ -96,6 +104,8 @@ def dgc(
     seed: int = 0,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    inner_axis: AxisName | None = None,
+    link: Link | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
 
@@ -110,7 +120,10 @@ def dgc(
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
+        ``"sparse_allreduce"`` (see :func:`compress`).
+      inner_axis: fast axis averaged densely first (see :func:`compress`).
+      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
       seed: seed of the sample (the same on every device), in ``[0, 2**32 - 1]``.
 
     Returns:
@@ -160,6 +173,8 @@ def dgc(
         seed=seed,
         axis_name=axis_name,
         communication=communication,
+        inner_axis=inner_axis,
+        link=link,
     )
 
 
@@ -172,6 +187,8 @@ def redsync(
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    inner_axis: AxisName | None = None,
+    link: Link | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
 
@@ -186,7 +203,10 @@ def redsync(
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
+        ``"sparse_allreduce"`` (see :func:`compress`).
+      inner_axis: fast axis averaged densely first (see :func:`compress`).
+      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -243,6 +263,8 @@ def redsync(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        inner_axis=inner_axis,
+        link=link,
     )
 
 
@@ -254,6 +276,8 @@ def gaussiank(
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    inner_axis: AxisName | None = None,
+    link: Link | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
 
@@ -267,7 +291,10 @@ def gaussiank(
       granularity: ``"model"`` or ``"leaf"``.
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
+        ``"sparse_allreduce"`` (see :func:`compress`).
+      inner_axis: fast axis averaged densely first (see :func:`compress`).
+      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -313,6 +340,8 @@ def gaussiank(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        inner_axis=inner_axis,
+        link=link,
     )
 
 
@@ -323,6 +352,7 @@ def randomk(
     error_feedback: bool = True,
     seed: int = 0,
     axis_name: AxisName | None = None,
+    inner_axis: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k: ``k`` random entries, the same on every device.
 
@@ -341,6 +371,7 @@ def randomk(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       seed: seed of the draw, in ``[0, 2**32 - 1]``.
+      inner_axis: fast axis averaged densely first (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -376,6 +407,7 @@ def randomk(
         error_feedback=error_feedback,
         seed=seed,
         axis_name=axis_name,
+        inner_axis=inner_axis,
     )
 
 
@@ -384,7 +416,9 @@ def _everything(vectors, abs_sums, state, key):
     return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
 
 
-def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
+def dense(
+    *, axis_name: AxisName | None = None, inner_axis: AxisName | None = None
+) -> optax.GradientTransformationExtraArgs:
     """No compression: the plain mean of the gradient over ``axis_name``.
 
     The same loop as the compressors with a rule that sends everything: a
@@ -394,6 +428,8 @@ def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationE
     Args:
       axis_name: mesh axis (or tuple of axes) to ``pmean`` over; None passes
         the gradient through unchanged.
+      inner_axis: a second axis to ``pmean`` over first (as the compressors'
+        hierarchical mode does; the result is the mean over both).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -406,4 +442,5 @@ def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationE
         error_feedback=False,
         axis_name=axis_name,
         communication="dense",
+        inner_axis=inner_axis,
     )

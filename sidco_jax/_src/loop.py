@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from sidco_jax._src import aggregate, passes
+from sidco_jax._src import aggregate, costs, passes, sparse_allreduce
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
@@ -293,6 +293,8 @@ def sparsifier(
     seed: int = 0,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    inner_axis: AxisName | None = None,
+    link: costs.Link | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
 
@@ -316,8 +318,12 @@ def sparsifier(
         ``fold_in(key(seed), t)``, the same on every device.
       axis_name: mesh axis (or tuple of axes) to average the update over, or
         None to sparsify locally.
-      communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see
+      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
+        ``"sparse_allreduce"`` (see :func:`sidco_jax.compress`).
+      inner_axis: a fast mesh axis (or tuple) to average over densely before
+        compressing over ``axis_name`` (hierarchical aggregation; see
         :func:`sidco_jax.compress`).
+      link: the :class:`~sidco_jax.Link` of ``axis_name`` for ``"auto"``.
 
     Returns:
       The transformation; its state is a :class:`~sidco_jax.CompressState`.
@@ -326,12 +332,14 @@ def sparsifier(
       ValueError: at ``update``, for a gradient tree unlike the one given to
         ``init`` (structure, shapes, which leaves are floating point) or with
         more than ``2**31 - 1`` floating-point entries.
-      NameError: at ``update``, when ``axis_name`` is not bound (the update
-        is not inside ``jax.shard_map`` or ``jax.pmap`` over it).
+      NameError: at ``update``, when ``axis_name`` or ``inner_axis`` is not
+        bound (the update is not inside ``jax.shard_map`` or ``jax.pmap``
+        over it).
     """
     ratio = check_common(ratio, granularity, error_feedback)
     seed = check_seed(seed)
-    check_axis(axis_name, communication)
+    check_axis(axis_name, communication, inner_axis)
+    link = costs.check_link(link)
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
@@ -350,6 +358,14 @@ def sparsifier(
         if error_feedback:
             _check_tree(updates, state.residual)
         devices = _devices(axis_name)
+        if inner_axis is not None:
+            # Hierarchical: the node's mean first, over the fast links; every
+            # device of the node then compresses the same vector identically.
+            _devices(inner_axis)
+            updates = jax.tree.map(
+                lambda x: lax.pmean(x, inner_axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+                updates,
+            )
         leaves, treedef = jax.tree.flatten(updates)
         float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
         complex_at = [
@@ -416,12 +432,22 @@ def sparsifier(
         everything = bool(chosen) and chosen[0].payload is None
         group_sizes = [sum(sizes[i] for i in group) for group in groups]
 
+        mode, routed = "sparse", None
         if everything or not chosen:
             sent = jnp.where(local_finite, n, 0).astype(jnp.int32)
             selected = jnp.int32(n)
         else:
             payload = _merge(chosen, group_sizes)
-            sent = jnp.where(local_finite, payload.count, 0)
+            dtypes = [g.dtype for g in grads]
+            payload = payload._replace(
+                values=_round_to_leaves(payload.values, payload.indices, dtypes, sizes)
+            )
+            capacity = payload.values.shape[0]
+            if axis_name is not None and not shared:
+                mode = aggregate.resolve(communication, n, capacity, devices, link)
+            if mode == "sparse_allreduce":  # what does not fit its owner's slots stays here
+                routed = sparse_allreduce.route(payload, n, devices)
+            sent = jnp.where(local_finite, payload.count if routed is None else routed.count, 0)
             selected = payload.selected
         # Every device agrees on the step before anything is sent: one
         # non-finite device makes all of them send nothing, and the rule sees
@@ -438,29 +464,44 @@ def sparsifier(
             message = sum(x.size * x.dtype.itemsize for x in u)
             left = [jnp.where(finite, zero, x) for x in u]
         else:
-            dtypes = [g.dtype for g in grads]
-            values = jnp.where(
-                finite, _round_to_leaves(payload.values, payload.indices, dtypes, sizes), 0.0
-            )
-            payload = payload._replace(values=values)
-            capacity = values.shape[0]
-            mode = "sparse"
-            if axis_name is not None and not shared:
-                mode = aggregate.resolve(communication, n, capacity, devices)
-            mean = aggregate.mean(payload, sizes, axis_name, mode, shared)
-            message = (
-                sum(c.bytes for c in chosen)
-                if mode == "sparse"
-                else aggregate.message_bytes(mode, n, capacity, shared)
-            )
+            values = jnp.where(finite, payload.values, 0.0)
+            sent_at, kept_at, kept = payload.indices, None, None
+            if routed is None:
+                mean = aggregate.mean(
+                    payload._replace(values=values), sizes, axis_name, mode, shared
+                )
+                message = (
+                    sum(c.bytes for c in chosen)
+                    if mode == "sparse"
+                    else aggregate.message_bytes(mode, n, capacity, shared)
+                )
+            else:
+
+                def reselect(region):
+                    # The owner selects from its region's sum with the same rule.
+                    abs_sum = jnp.sum(jnp.abs(region))
+                    again = rule.select([region], abs_sum[None], state.rule, region_key)
+                    return _fill_if_starved(again, [region], abs_sum).payload
+
+                region_key = jax.random.fold_in(key, len(groups))
+                routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
+                reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
+                mean, message = reduced.mean, reduced.message
+                sent_at, kept_at, kept = routed.sent, reduced.kept_indices, reduced.kept_values
             # What this device did not send stays in its residual, exactly:
-            # the sent entries are subtracted in place, leaf by leaf.
+            # the sent entries are subtracted in place, leaf by leaf, and an
+            # owner adds back what it received and did not send on.
             left = [
                 _subtract_at(x, local, values)
-                for x, local in zip(
-                    u, payload_lib.local_indices(payload.indices, sizes), strict=True
-                )
+                for x, local in zip(u, payload_lib.local_indices(sent_at, sizes), strict=True)
             ]
+            if kept is not None:
+                left = [
+                    _subtract_at(x, local, -kept)
+                    for x, local in zip(
+                        left, payload_lib.local_indices(kept_at, sizes), strict=True
+                    )
+                ]
         # Complex leaves are averaged densely: never left out of the collective.
         dense_complex = [jnp.where(finite, c, jnp.zeros((), c.dtype)) for c in others]
         if axis_name is not None:

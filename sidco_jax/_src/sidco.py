@@ -33,6 +33,7 @@ from sidco_jax._src.base import (
     check_number,
     check_ratio,
 )
+from sidco_jax._src.costs import Link
 from sidco_jax._src.loop import sparsifier
 
 Adaptation = Literal["paper", "directional"]
@@ -110,6 +111,8 @@ def compress(
     band: float = 0.2,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    inner_axis: AxisName | None = None,
+    link: Link | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
 
@@ -140,11 +143,23 @@ def compress(
         locally with no collective. With an axis the update is the mean of
         all devices' messages, identical on every device, and the residual is
         per device (see :func:`sidco_jax.state_specs`).
-      communication: how the messages are averaged: ``"sparse"``
-        (``all_gather`` of values and indices, then a scatter-add),
+      communication: how the messages are averaged over ``axis_name``:
+        ``"sparse"`` (``all_gather`` of values and indices, then a
+        scatter-add: each device receives ``(P - 1) x capacity`` slots),
+        ``"sparse_allreduce"`` (each entry routed to the device owning its
+        region with ``all_to_all``, reduced and selected again there, then
+        gathered: under ``3 x capacity`` slots per device whatever ``P``),
         ``"dense"`` (``psum`` of the densified message, for fast links) or
-        ``"auto"`` (default: the one that moves fewer bytes, decided at trace
-        time; sparse exactly when ``devices x capacity < n``).
+        ``"auto"`` (default: the cheapest under the alpha-beta model of
+        ``link``, decided at trace time; see docs/distributed.md).
+      inner_axis: a fast mesh axis (or tuple), e.g. the devices of one node,
+        averaged densely (``pmean``) before compressing over ``axis_name``
+        (the slow axis across nodes): hierarchical aggregation. Every device
+        of a node then holds and compresses the same vector, so the residual
+        is per node: shard it over ``axis_name`` only
+        (``state_specs(state, axis_name)``).
+      link: a :class:`~sidco_jax.Link` (latency, bandwidth) of ``axis_name``
+        for ``"auto"``; default ``Link()`` (5 us, 100 Gbit/s).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the
@@ -204,4 +219,6 @@ def compress(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        inner_axis=inner_axis,
+        link=link,
     )

@@ -1,0 +1,167 @@
+"""What each way of averaging the devices' messages costs: an alpha-beta model.
+
+A collective over ``P`` devices costs ``messages x latency + bytes / bandwidth``
+for one device, where ``bytes`` is what that device receives (what it sends is
+the same in every mode here) and ``messages`` the rounds it waits for:
+
+========================  ================  =========================================
+mode                      messages          bytes received per device
+========================  ================  =========================================
+``"dense"`` (ring)        ``2 (P - 1)``     ``2 (P - 1) / P x 4n``
+``"sparse"`` (gather)     ``P - 1``         ``(P - 1) x k x 8``
+``"sparse_allreduce"``    ``2 (P - 1)``     ``(P - 1) x (s + r) x 8``
+shared indices (psum)     ``2 (P - 1)``     ``2 (P - 1) / P x 4k``
+========================  ================  =========================================
+
+with ``n`` entries, ``k`` payload slots per device, and for the sparse
+all-reduce ``s = ceil(2k / P)`` slots routed to each region owner and
+``r = ceil(k / P)`` reduced slots per owner (:func:`plan`): its traffic stays
+below ``3 k x 8`` bytes whatever ``P``. Hierarchical aggregation adds a dense
+all-reduce over the fast inner axis and runs the mode over the slow outer one.
+
+``communication="auto"`` evaluates this model at trace time, from the static
+sizes and the :class:`Link` a compressor was given, and takes the cheapest
+mode; ``benchmarks/scale.py`` evaluates it past one machine.
+"""
+
+from typing import NamedTuple
+
+from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, check_number, static
+
+ROUTE_SLACK = 2  # slots per region owner, in units of an even share k / P
+
+
+class Link(NamedTuple):
+    """One device's link to the others along a mesh axis.
+
+    Attributes:
+      latency: seconds per message (alpha); 5 us is a typical RDMA hop.
+      bandwidth: bytes per second one device receives (beta); 12.5e9 is
+        100 Gbit/s.
+    """
+
+    latency: float = 5e-6
+    bandwidth: float = 12.5e9
+
+
+def check_link(link) -> Link:
+    """``link`` checked (the default :class:`Link` for None).
+
+    Raises:
+      TypeError: unless ``link`` is None or a :class:`Link` of real numbers.
+      ValueError: for a negative or non-finite latency, or a bandwidth that
+        is not positive and finite.
+    """
+    if link is None:
+        return DEFAULT_LINK
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be None or a sidco_jax.Link, got {link!r}")
+    return Link(
+        check_number("link.latency", static("link.latency", link.latency), 0.0),
+        check_number(
+            "link.bandwidth", static("link.bandwidth", link.bandwidth), 0.0, open_low=True
+        ),
+    )
+
+
+DEFAULT_LINK = Link()
+NODE_LINK = Link(1e-6, 200e9)  # inside a node: NVLink-class, 1 us, 1.6 Tbit/s
+
+
+class Plan(NamedTuple):
+    """Static sizes of a sparse all-reduce of ``k``-slot payloads over ``n`` entries.
+
+    Attributes:
+      region: entries each device owns (the last region may be shorter).
+      route: slots each device reserves for each region owner.
+      reduced: slots of each owner's reduced payload (at least its rule's
+        capacity for one region).
+    """
+
+    region: int
+    route: int
+    reduced: int
+
+
+def plan(size: int, capacity: int, devices: int) -> Plan:
+    """The region, routing and reduced sizes of a sparse all-reduce over ``devices``."""
+    return Plan(
+        region=-(-size // devices),
+        route=-(-ROUTE_SLACK * capacity // devices),
+        reduced=-(-capacity // devices),
+    )
+
+
+def received_bytes(
+    mode: str, size: int, capacity: int, devices: int, shared: bool = False
+) -> float:
+    """Bytes one device receives to average the messages in ``mode``.
+
+    Args:
+      mode: ``"dense"``, ``"sparse"`` or ``"sparse_allreduce"``.
+      size: entries of the dense vector (``n``).
+      capacity: payload slots per device (``k``).
+      devices: devices along the axis (``P``).
+      shared: whether every device's payload has the same indices (then only
+        the values are summed, in any mode).
+
+    Returns:
+      The bytes (0 on one device).
+    """
+    p = devices
+    if mode == "dense":
+        return 2 * (p - 1) / p * VALUE_BYTES * size
+    if shared:
+        return 2 * (p - 1) / p * VALUE_BYTES * capacity
+    if mode == "sparse":
+        return (p - 1) * capacity * SLOT_BYTES
+    sizes = plan(size, capacity, p)
+    return (p - 1) * (sizes.route + sizes.reduced) * SLOT_BYTES
+
+
+def messages(mode: str, devices: int, shared: bool = False) -> int:
+    """Rounds of latency one device waits for in ``mode`` (see the module table)."""
+    rounds = 1 if mode == "sparse" and not shared else 2
+    return rounds * (devices - 1)
+
+
+def seconds(
+    mode: str,
+    size: int,
+    capacity: int,
+    devices: int,
+    link: Link = DEFAULT_LINK,
+    shared: bool = False,
+) -> float:
+    """Modelled time of one aggregation in ``mode``: latency plus transfer."""
+    wire = received_bytes(mode, size, capacity, devices, shared)
+    return messages(mode, devices, shared) * link.latency + wire / link.bandwidth
+
+
+def hierarchical_seconds(
+    mode: str,
+    size: int,
+    capacity: int,
+    nodes: int,
+    local: int,
+    outer: Link = DEFAULT_LINK,
+    inner: Link = NODE_LINK,
+) -> float:
+    """Modelled time of a dense all-reduce over ``local`` devices, then ``mode`` over ``nodes``.
+
+    Every device of a node compresses the node's mean and takes part in the
+    outer collective with its own link (one per device, as in a GPU server
+    with one network card per GPU).
+    """
+    return seconds("dense", size, size, local, inner) + seconds(mode, size, capacity, nodes, outer)
+
+
+def choose(
+    size: int, capacity: int, devices: int, link: Link = DEFAULT_LINK, shared: bool = False
+) -> str:
+    """The mode :func:`seconds` finds cheapest; ties (one device: all free) go to ``"sparse"``.
+
+    The sparse all-reduce needs at least one entry per device.
+    """
+    modes = ["sparse", "dense"] + (["sparse_allreduce"] if devices <= size and not shared else [])
+    return min(modes, key=lambda mode: seconds(mode, size, capacity, devices, link, shared))
