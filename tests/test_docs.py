@@ -8,13 +8,16 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 
 def test_multi_device_page_runs(capsys):
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / "distributed.md").read_text(), flags=re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     namespace = {}
     for block in blocks:
         exec(block, namespace)
-    density, shape = capsys.readouterr().out.split("\n")[:2]
+    density, shape, message = capsys.readouterr().out.split("\n")[:3]
     assert 0.005 < float(density) < 0.02  # ratio 0.01, averaged over devices
     assert shape == "(8, 100)"
+    assert float(message) == 10 * 8  # hierarchical: 10 slots between the 2 nodes, "sparse"
+    weights = namespace["weights"]
+    assert 0 < int((weights != 0).sum()) <= 2 * 10
     restored, params = namespace["restored"], namespace["params"]
     assert (restored["params"]["w"] == params["w"]).all()
 
