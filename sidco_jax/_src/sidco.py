@@ -35,7 +35,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.loop import sparsifier
 
-Adaptation = Literal["paper", "directional"]
+Adaptation = Literal["paper", "directional", "fill"]
 
 
 class SidcoState(NamedTuple):
@@ -46,10 +46,13 @@ class SidcoState(NamedTuple):
         recompiles).
       control: the stage controller's state (``optax.EmptyState()`` without
         adaptation).
+      scale: float32 log of the factor on the threshold (0 unless
+        ``adaptation="fill"``, which moves it every step; traced).
     """
 
     stages: jax.Array
     control: control_lib.StageControl | optax.EmptyState
+    scale: jax.Array
 
 
 def rule(
@@ -69,12 +72,13 @@ def rule(
     def init(params):
         del params
         control = control_lib.init() if adaptation is not None else optax.EmptyState()
-        return SidcoState(jnp.asarray(stages, jnp.int32), control)
+        return SidcoState(jnp.asarray(stages, jnp.int32), control, jnp.zeros((), jnp.float32))
 
     def select(vectors, abs_sums, state, key):
         del key
         total = jnp.sum(abs_sums)
         eta = thresholds.from_abs_sum(vectors, total, ratio, estimator, state.stages, first_ratio)
+        eta = eta * jnp.exp(state.scale)
         cap = payload_lib.capacity(sum(v.shape[0] for v in vectors), ratio, capacity_factor)
         return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
@@ -91,7 +95,13 @@ def rule(
             band=band,
             max_stages=limit,
         )
-        return SidcoState(new_stages, control)
+        scale = state.scale
+        if adaptation == "fill":
+            # The figures are agreed across devices, so the factor is too.
+            # Capacity in entries is capacity_factor x target (less its ceil).
+            selected = figures.selected_density / (capacity_factor * figures.target_density)
+            scale = control_lib.fill(state.scale, selected, figures.nonfinite)
+        return SidcoState(new_stages, control, scale)
 
     return Rule(init, select, observe)
 
