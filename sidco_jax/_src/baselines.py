@@ -33,7 +33,7 @@ from sidco_jax._src.base import (
     static,
 )
 from sidco_jax._src.base import k_of as _k
-from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.loop import everything, sparsifier
 
 
 def topk(
@@ -43,6 +43,7 @@ def topk(
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
 
@@ -52,6 +53,7 @@ def topk(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -84,6 +86,7 @@ def topk(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -96,6 +99,7 @@ def dgc(
     seed: int = 0,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
 
@@ -111,6 +115,7 @@ def dgc(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
       seed: seed of the sample (the same on every device), in ``[0, 2**32 - 1]``.
 
     Returns:
@@ -160,6 +165,7 @@ def dgc(
         seed=seed,
         axis_name=axis_name,
         communication=communication,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -172,6 +178,7 @@ def redsync(
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
 
@@ -187,6 +194,7 @@ def redsync(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -243,6 +251,7 @@ def redsync(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -254,6 +263,7 @@ def gaussiank(
     error_feedback: bool = True,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
 
@@ -268,6 +278,7 @@ def gaussiank(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -313,6 +324,7 @@ def gaussiank(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -323,6 +335,7 @@ def randomk(
     error_feedback: bool = True,
     seed: int = 0,
     axis_name: AxisName | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k: ``k`` random entries, the same on every device.
 
@@ -341,6 +354,7 @@ def randomk(
       error_feedback: keep what was not sent for the next step.
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       seed: seed of the draw, in ``[0, 2**32 - 1]``.
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -376,12 +390,8 @@ def randomk(
         error_feedback=error_feedback,
         seed=seed,
         axis_name=axis_name,
+        warmup_steps=warmup_steps,
     )
-
-
-def _everything(vectors, abs_sums, state, key):
-    del abs_sums, state, key
-    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
 
 
 def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationExtraArgs:
@@ -401,7 +411,7 @@ def dense(*, axis_name: AxisName | None = None) -> optax.GradientTransformationE
       :func:`sidco_jax.state_specs` work for it too.
     """
     return sparsifier(
-        Rule(empty_init, _everything),
+        Rule(empty_init, everything),
         ratio=1.0,
         error_feedback=False,
         axis_name=axis_name,

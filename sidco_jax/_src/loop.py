@@ -31,6 +31,7 @@ from sidco_jax._src import aggregate, passes
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
+    VALUE_BYTES,
     AxisName,
     Communication,
     CompressMetrics,
@@ -40,7 +41,9 @@ from sidco_jax._src.base import (
     Selection,
     check_axis,
     check_common,
+    check_integer,
     check_seed,
+    empty_init,
     is_float,
 )
 
@@ -284,6 +287,12 @@ def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     return chosen._replace(payload=payload, threshold=eta)
 
 
+def everything(vectors, abs_sums, state, key) -> Selection:
+    """The :class:`~sidco_jax.SelectFn` of no compression: every entry is sent."""
+    del abs_sums, state, key
+    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
+
+
 def sparsifier(
     rule: Rule,
     *,
@@ -293,6 +302,7 @@ def sparsifier(
     seed: int = 0,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
 
@@ -318,6 +328,10 @@ def sparsifier(
         None to sparsify locally.
       communication: ``"auto"``, ``"sparse"`` or ``"dense"`` (see
         :func:`sidco_jax.compress`).
+      warmup_steps: the first ``warmup_steps`` steps send the dense mean, as
+        :func:`sidco_jax.dense` does, leaving the residual and the rule's
+        state untouched; compression starts at step ``warmup_steps``. An
+        int >= 0.
 
     Returns:
       The transformation; its state is a :class:`~sidco_jax.CompressState`.
@@ -332,6 +346,7 @@ def sparsifier(
     ratio = check_common(ratio, granularity, error_feedback)
     seed = check_seed(seed)
     check_axis(axis_name, communication)
+    warmup_steps = check_integer("warmup_steps", warmup_steps, 0)
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
@@ -484,4 +499,41 @@ def sparsifier(
         new_state = CompressState(residual, state.count + 1, last, rule_state)
         return jax.tree.unflatten(treedef, new_leaves), new_state
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    if isinstance(warmup_steps, int) and warmup_steps == 0:
+        return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(init, _warm(update, warmup_steps, axis_name))
+
+
+def _warm(update, warmup_steps, axis_name):
+    """``update`` preceded by ``warmup_steps`` steps of :func:`sidco_jax.dense`.
+
+    One ``lax.cond`` on the step count, which every device holds alike: both
+    paths are compiled once and each step runs one of them. A dense step
+    leaves the residual and the rule's state as they are and reports the
+    dense bytes, at the compressor's target density.
+    """
+    dense = sparsifier(
+        Rule(empty_init, everything),
+        ratio=1.0,
+        error_feedback=False,
+        axis_name=axis_name,
+        communication="dense",
+    )
+
+    def warm_update(updates, state, params=None, **extra_args):
+        def warm(_):
+            out, done = dense.update(
+                updates, state._replace(residual=None, rule=optax.EmptyState())
+            )
+            last = done.last._replace(
+                target_density=state.last.target_density,
+                threshold=jnp.zeros_like(state.last.threshold),
+            )
+            return out, state._replace(count=done.count, last=last)
+
+        def compressed(_):
+            return update(updates, state, params, **extra_args)
+
+        return lax.cond(state.count < warmup_steps, warm, compressed, None)
+
+    return warm_update

@@ -120,6 +120,7 @@ def compress(
     band: float = 0.2,
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
 
@@ -155,6 +156,11 @@ def compress(
         ``"dense"`` (``psum`` of the densified message, for fast links) or
         ``"auto"`` (default: the one that moves fewer bytes, decided at trace
         time; sparse exactly when ``devices x capacity < n``).
+      warmup_steps: the first ``warmup_steps`` steps send the dense mean of
+        the gradient (exactly :func:`sidco_jax.dense`'s update), with the
+        residual and the stage controller untouched and the metrics reporting
+        the dense bytes; compression starts at step ``warmup_steps``. An int
+        >= 0 (default 0: compress from the first step).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the
@@ -214,4 +220,5 @@ def compress(
         error_feedback=error_feedback,
         axis_name=axis_name,
         communication=communication,
+        warmup_steps=warmup_steps,
     )
