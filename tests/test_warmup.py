@@ -61,7 +61,7 @@ def test_warmup_under_shard_map_equals_dense_then_compresses(rng, name):
     stream = gradient_stream(rng, WARMUP + 1)
     tx = sidco.compressor(name, 0.05, axis_name=AXIS, warmup_steps=WARMUP)
     updates, states, _ = run_shard_map(tx, stream)
-    dense_updates, dense_states, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
+    dense_updates, _, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
     for t in range(WARMUP):
         assert _leaves_equal(updates[t], dense_updates[t]), t
         assert int(sidco.metrics(states[t])["bytes"]) == 4 * 2260
