@@ -5,6 +5,7 @@ The public API is flat; the distribution fits and quantiles live in
 """
 
 from sidco_jax import stats
+from sidco_jax._src.accumulate import AccumulateState, accumulate
 from sidco_jax._src.base import (
     ESTIMATORS,
     GRANULARITIES,
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_SIZE",
     "MODES",
     "RULES",
+    "AccumulateState",
     "Collective",
     "CompressMetrics",
     "CompressState",
@@ -53,6 +55,7 @@ __all__ = [
     "Selection",
     "SidcoState",
     "StageControl",
+    "accumulate",
     "capacity",
     "compress",
     "compressor",
