@@ -6,6 +6,7 @@ The public API is flat; the distribution fits and quantiles live in
 """
 
 from sidco_jax import costs, stats
+from sidco_jax._src.accumulate import AccumulateState, accumulate
 from sidco_jax._src.base import (
     ESTIMATORS,
     GRANULARITIES,
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_SIZE",
     "MODES",
     "RULES",
+    "AccumulateState",
     "Collective",
     "CompressMetrics",
     "CompressState",
@@ -56,6 +58,7 @@ __all__ = [
     "Selection",
     "SidcoState",
     "StageControl",
+    "accumulate",
     "capacity",
     "compress",
     "compressor",

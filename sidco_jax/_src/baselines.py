@@ -34,7 +34,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.base import k_of as _k
 from sidco_jax._src.costs import Link
-from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.loop import everything, sparsifier
 
 
 def topk(
@@ -46,6 +46,7 @@ def topk(
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
     link: Link | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
 
@@ -58,6 +59,7 @@ def topk(
         ``"sparse_allreduce"`` (see :func:`compress`).
       inner_axis: fast axis averaged densely first (see :func:`compress`).
       link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -92,6 +94,7 @@ def topk(
         communication=communication,
         inner_axis=inner_axis,
         link=link,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -106,6 +109,7 @@ def dgc(
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
     link: Link | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
 
@@ -124,6 +128,7 @@ def dgc(
         ``"sparse_allreduce"`` (see :func:`compress`).
       inner_axis: fast axis averaged densely first (see :func:`compress`).
       link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
       seed: seed of the sample (the same on every device), in ``[0, 2**32 - 1]``.
 
     Returns:
@@ -175,6 +180,7 @@ def dgc(
         communication=communication,
         inner_axis=inner_axis,
         link=link,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -189,6 +195,7 @@ def redsync(
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
     link: Link | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
 
@@ -207,6 +214,7 @@ def redsync(
         ``"sparse_allreduce"`` (see :func:`compress`).
       inner_axis: fast axis averaged densely first (see :func:`compress`).
       link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -265,6 +273,7 @@ def redsync(
         communication=communication,
         inner_axis=inner_axis,
         link=link,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -278,6 +287,7 @@ def gaussiank(
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
     link: Link | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
 
@@ -295,6 +305,7 @@ def gaussiank(
         ``"sparse_allreduce"`` (see :func:`compress`).
       inner_axis: fast axis averaged densely first (see :func:`compress`).
       link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -342,6 +353,7 @@ def gaussiank(
         communication=communication,
         inner_axis=inner_axis,
         link=link,
+        warmup_steps=warmup_steps,
     )
 
 
@@ -353,6 +365,7 @@ def randomk(
     seed: int = 0,
     axis_name: AxisName | None = None,
     inner_axis: AxisName | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k: ``k`` random entries, the same on every device.
 
@@ -372,6 +385,7 @@ def randomk(
       axis_name: mesh axis (or tuple of axes) to average over; None for local.
       seed: seed of the draw, in ``[0, 2**32 - 1]``.
       inner_axis: fast axis averaged densely first (see :func:`compress`).
+      warmup_steps: dense steps before compression starts (see :func:`compress`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -408,12 +422,8 @@ def randomk(
         seed=seed,
         axis_name=axis_name,
         inner_axis=inner_axis,
+        warmup_steps=warmup_steps,
     )
-
-
-def _everything(vectors, abs_sums, state, key):
-    del abs_sums, state, key
-    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
 
 
 def dense(
@@ -437,7 +447,7 @@ def dense(
       :func:`sidco_jax.state_specs` work for it too.
     """
     return sparsifier(
-        Rule(empty_init, _everything),
+        Rule(empty_init, everything),
         ratio=1.0,
         error_feedback=False,
         axis_name=axis_name,

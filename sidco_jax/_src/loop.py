@@ -31,6 +31,7 @@ from sidco_jax._src import aggregate, costs, passes, sparse_allreduce
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
+    VALUE_BYTES,
     AxisName,
     Communication,
     CompressMetrics,
@@ -40,7 +41,9 @@ from sidco_jax._src.base import (
     Selection,
     check_axis,
     check_common,
+    check_integer,
     check_seed,
+    empty_init,
     is_float,
 )
 
@@ -284,6 +287,12 @@ def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     return chosen._replace(payload=payload, threshold=eta)
 
 
+def everything(vectors, abs_sums, state, key) -> Selection:
+    """The :class:`~sidco_jax.SelectFn` of no compression: every entry is sent."""
+    del abs_sums, state, key
+    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
+
+
 def sparsifier(
     rule: Rule,
     *,
@@ -295,6 +304,7 @@ def sparsifier(
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
     link: costs.Link | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
 
@@ -324,6 +334,10 @@ def sparsifier(
         compressing over ``axis_name`` (hierarchical aggregation; see
         :func:`sidco_jax.compress`).
       link: the :class:`~sidco_jax.Link` of ``axis_name`` for ``"auto"``.
+      warmup_steps: the first ``warmup_steps`` steps send the dense mean, as
+        :func:`sidco_jax.dense` does, leaving the residual and the rule's
+        state untouched; compression starts at step ``warmup_steps``. An
+        int >= 0.
 
     Returns:
       The transformation; its state is a :class:`~sidco_jax.CompressState`.
@@ -340,6 +354,7 @@ def sparsifier(
     seed = check_seed(seed)
     check_axis(axis_name, communication, inner_axis)
     link = costs.check_link(link)
+    warmup_steps = check_integer("warmup_steps", warmup_steps, 0)
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
@@ -429,11 +444,11 @@ def sparsifier(
             by_leaf = {i: c.threshold for i, c in zip(used, chosen, strict=True)}
             etas = jnp.asarray([by_leaf.get(i, 0.0) for i in range(len(u))], jnp.float32)
         shared = all(c.shared for c in chosen)
-        everything = bool(chosen) and chosen[0].payload is None
+        send_all = bool(chosen) and chosen[0].payload is None
         group_sizes = [sum(sizes[i] for i in group) for group in groups]
 
         mode, routed = "sparse", None
-        if everything or not chosen:
+        if send_all or not chosen:
             sent = jnp.where(local_finite, n, 0).astype(jnp.int32)
             selected = jnp.int32(n)
         else:
@@ -457,7 +472,7 @@ def sparsifier(
         )
 
         zero = jnp.zeros((), jnp.float32)
-        if everything or not chosen:
+        if send_all or not chosen:
             mean = [jnp.where(finite, x, zero) for x in u]
             if axis_name is not None:
                 mean = lax.pmean(mean, axis_name)
@@ -525,4 +540,44 @@ def sparsifier(
         new_state = CompressState(residual, state.count + 1, last, rule_state)
         return jax.tree.unflatten(treedef, new_leaves), new_state
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    if isinstance(warmup_steps, int) and warmup_steps == 0:
+        return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(
+        init, _warm(update, warmup_steps, axis_name, inner_axis)
+    )
+
+
+def _warm(update, warmup_steps, axis_name, inner_axis):
+    """``update`` preceded by ``warmup_steps`` steps of :func:`sidco_jax.dense`.
+
+    One ``lax.cond`` on the step count, which every device holds alike: both
+    paths are compiled once and each step runs one of them. A dense step
+    leaves the residual and the rule's state as they are and reports the
+    dense bytes, at the compressor's target density.
+    """
+    dense = sparsifier(
+        Rule(empty_init, everything),
+        ratio=1.0,
+        error_feedback=False,
+        axis_name=axis_name,
+        communication="dense",
+        inner_axis=inner_axis,
+    )
+
+    def warm_update(updates, state, params=None, **extra_args):
+        def warm(_):
+            out, done = dense.update(
+                updates, state._replace(residual=None, rule=optax.EmptyState())
+            )
+            last = done.last._replace(
+                target_density=state.last.target_density,
+                threshold=jnp.zeros_like(state.last.threshold),
+            )
+            return out, state._replace(count=done.count, last=last)
+
+        def compressed(_):
+            return update(updates, state, params, **extra_args)
+
+        return lax.cond(state.count < warmup_steps, warm, compressed, None)
+
+    return warm_update

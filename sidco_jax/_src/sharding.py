@@ -15,15 +15,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sidco_jax._src.accumulate import AccumulateState
 from sidco_jax._src.base import AxisName, CompressState
 
 
 def _is_state(node) -> bool:
-    return isinstance(node, CompressState)
+    return isinstance(node, CompressState | AccumulateState)
 
 
 def is_residual(opt_state: optax.OptState) -> Any:
-    """A tree like ``opt_state`` with True at every per-device residual leaf.
+    """A tree like ``opt_state`` with True at every per-device leaf.
+
+    Those are the error-feedback residuals of every
+    :class:`~sidco_jax.CompressState` and the accumulators of every
+    :class:`~sidco_jax.AccumulateState`.
 
     Args:
       opt_state: an optax state (arrays, ``jax.ShapeDtypeStruct`` or anything
@@ -34,9 +39,15 @@ def is_residual(opt_state: optax.OptState) -> Any:
     """
 
     def mark(node):
-        if _is_state(node):
+        if isinstance(node, CompressState):
             marks = jax.tree.map(lambda _: False, node)
             return marks._replace(residual=jax.tree.map(lambda _: True, node.residual))
+        if isinstance(node, AccumulateState):  # its accumulator is per device too
+            return AccumulateState(
+                mark(node.mini_step),
+                jax.tree.map(lambda _: True, node.accumulator),
+                jax.tree.map(mark, node.inner, is_leaf=_is_state),
+            )
         return jax.tree.map(lambda _: False, node)
 
     return jax.tree.map(mark, opt_state, is_leaf=_is_state)
@@ -45,7 +56,8 @@ def is_residual(opt_state: optax.OptState) -> Any:
 def state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """Partition specs for a whole optax state containing sidco_jax states.
 
-    Every leaf of the residual of every :class:`~sidco_jax.CompressState` is
+    Every leaf of the residual of every :class:`~sidco_jax.CompressState`,
+    and of the accumulator of every :class:`~sidco_jax.AccumulateState`, is
     per device (``P(axis_name)``); every other leaf is replicated (``P()``). Use the
     result as ``in_specs``/``out_specs`` of ``jax.shard_map`` for the state.
 

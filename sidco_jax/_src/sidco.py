@@ -36,7 +36,7 @@ from sidco_jax._src.base import (
 from sidco_jax._src.costs import Link
 from sidco_jax._src.loop import sparsifier
 
-Adaptation = Literal["paper", "directional"]
+Adaptation = Literal["paper", "directional", "fill"]
 
 
 class SidcoState(NamedTuple):
@@ -47,10 +47,13 @@ class SidcoState(NamedTuple):
         recompiles).
       control: the stage controller's state (``optax.EmptyState()`` without
         adaptation).
+      scale: float32 log of the factor on the threshold (0 unless
+        ``adaptation="fill"``, which moves it every step; traced).
     """
 
     stages: jax.Array
     control: control_lib.StageControl | optax.EmptyState
+    scale: jax.Array
 
 
 def rule(
@@ -70,12 +73,13 @@ def rule(
     def init(params):
         del params
         control = control_lib.init() if adaptation is not None else optax.EmptyState()
-        return SidcoState(jnp.asarray(stages, jnp.int32), control)
+        return SidcoState(jnp.asarray(stages, jnp.int32), control, jnp.zeros((), jnp.float32))
 
     def select(vectors, abs_sums, state, key):
         del key
         total = jnp.sum(abs_sums)
         eta = thresholds.from_abs_sum(vectors, total, ratio, estimator, state.stages, first_ratio)
+        eta = eta * jnp.exp(state.scale)
         cap = payload_lib.capacity(sum(v.shape[0] for v in vectors), ratio, capacity_factor)
         return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
@@ -92,7 +96,13 @@ def rule(
             band=band,
             max_stages=limit,
         )
-        return SidcoState(new_stages, control)
+        scale = state.scale
+        if adaptation == "fill":
+            # The figures are agreed across devices, so the factor is too.
+            # Capacity in entries is capacity_factor x target (less its ceil).
+            selected = figures.selected_density / (capacity_factor * figures.target_density)
+            scale = control_lib.fill(state.scale, selected, figures.nonfinite)
+        return SidcoState(new_stages, control, scale)
 
     return Rule(init, select, observe)
 
@@ -113,6 +123,7 @@ def compress(
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
     link: Link | None = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
 
@@ -160,6 +171,11 @@ def compress(
         (``state_specs(state, axis_name)``).
       link: a :class:`~sidco_jax.Link` (latency, bandwidth) of ``axis_name``
         for ``"auto"``; default ``Link()`` (5 us, 100 Gbit/s).
+      warmup_steps: the first ``warmup_steps`` steps send the dense mean of
+        the gradient (exactly :func:`sidco_jax.dense`'s update), with the
+        residual and the stage controller untouched and the metrics reporting
+        the dense bytes; compression starts at step ``warmup_steps``. An int
+        >= 0 (default 0: compress from the first step).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the
@@ -221,4 +237,5 @@ def compress(
         communication=communication,
         inner_axis=inner_axis,
         link=link,
+        warmup_steps=warmup_steps,
     )

@@ -1,0 +1,101 @@
+"""How full the payload is along the example trainers' runs, per compressor option.
+
+Runs the CNN or LM trainer of ``examples/`` (8 forced CPU devices, the
+trainer's default config, the same batches and seed for every run) once per
+label and reports, after the first ``--skip`` steps, the median of sent/target
+density, the fraction of steps sending at least half the target, the mean
+sent/target of the first steps after any warm-up, and the final accuracy or
+perplexity. A label is a registry name with options after a colon::
+
+    python benchmarks/fill.py --trainer lm --ratio 0.001 --steps 300 \\
+        sidco-e:adaptation=paper sidco-e:adaptation=fill sidco-e:warmup_steps=50 topk dense
+"""
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+
+def parse_label(label: str) -> tuple[str, dict]:
+    """``"sidco-e:adaptation=fill,warmup_steps=50"`` -> ``("sidco-e", {...})``."""
+    name, _, rest = label.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return name, options
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("labels", nargs="+")
+    parser.add_argument("--trainer", choices=("cnn", "lm"), default="lm")
+    parser.add_argument("--ratio", type=float, default=0.001)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--skip", type=int, default=20, help="first steps left out")
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    import numpy as np
+
+    import sidco_jax as sidco
+    from examples.common import loop, parallel
+
+    configs = importlib.import_module(f"examples.{args.trainer}.configs.default")
+    trainer = importlib.import_module(f"examples.{args.trainer}.train")
+    config = dataclasses.replace(
+        configs.get_config(),
+        ratio=args.ratio,
+        steps=args.steps,
+        progress=False,
+        eval_every=args.steps,
+    )
+    task = trainer.task(config)
+
+    rows = []
+    print(f"\n{args.trainer}, ratio {args.ratio}, {args.steps} steps\n")
+    print("| run | final | sent/target (median) | steps >= 0.5 | first 20 (mean) | s/step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label in args.labels:
+        name, options = parse_label(label)
+        parallel.compressor = lambda n, r, axis_name=parallel.AXIS, o=options: sidco.compressor(
+            n, r, axis_name=axis_name, **o
+        )
+        with tempfile.TemporaryDirectory() as workdir:
+            history = loop.run_one(config, task, name, pathlib.Path(workdir))
+        achieved = np.asarray(history.achieved)
+        tail = achieved[args.skip :]
+        start = options.get("warmup_steps", 0)
+        row = {
+            "run": label,
+            "final": history.evals[-1],
+            "median": float(np.median(tail)),
+            "at_least_half": float(np.mean(tail >= 0.5)),
+            "first": float(np.mean(achieved[start : start + 20])),
+            "seconds_per_step": history.seconds_per_step,
+        }
+        rows.append(row)
+        print(
+            f"| {label} | {row['final']:.4f} | {row['median']:.2f} | {row['at_least_half']:.2f} "
+            f"| {row['first']:.2f} | {row['seconds_per_step']:.3f} |",
+            flush=True,
+        )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Gradient accumulation that selects and communicates once per optimizer step.
+
+``optax.MultiSteps`` calls the inner ``update`` on every micro-step and masks
+the result, so a compressor inside it selects, and with an ``axis_name``
+communicates, ``every_k`` times per optimizer step. :func:`accumulate` adds
+the micro-steps' gradients into a local accumulator instead and runs the inner
+transformation once, on their mean, under a ``lax.cond`` on the micro-step
+count, which every device holds alike: a micro-step has no selection and no
+collective in it.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from sidco_jax._src.base import check_integer
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate`.
+
+    Attributes:
+      mini_step: int32 micro-steps accumulated since the last optimizer step
+        (the same on every device).
+      accumulator: float32 running mean of those micro-steps' gradients, a
+        tree like the parameters. Per device, like the error-feedback residual:
+        under ``jax.shard_map`` its partition spec is ``P(axis_name)`` (see
+        :func:`sidco_jax.state_specs`).
+      inner: the wrapped transformation's state.
+    """
+
+    mini_step: jax.Array
+    accumulator: Any
+    inner: Any
+
+
+def check_every_k(every_k) -> int:
+    """``every_k`` as a Python ``int >= 1``; refuses a traced one."""
+    if isinstance(every_k, jax.core.Tracer):
+        raise ValueError(
+            f"every_k must be a concrete integer >= 1, got a traced {every_k.dtype}"
+            f"{list(every_k.shape)}: it decides which steps communicate, so it is fixed when "
+            "the step is built (with optax.inject_hyperparams, list it in static_args)"
+        )
+    return check_integer("every_k", every_k, 1)
+
+
+def accumulate(
+    tx: optax.GradientTransformation, every_k: int
+) -> optax.GradientTransformationExtraArgs:
+    """Accumulates ``every_k`` micro-steps' gradients, then runs ``tx`` once on their mean.
+
+    Equal to ``optax.MultiSteps(tx, every_k)`` (the same updates and the same
+    inner state, residuals included), but a micro-step only adds its gradient
+    to a local float32 accumulator: no selection and no collective. The
+    ``every_k``-th step runs ``tx.update`` on the mean, under a ``lax.cond``
+    whose predicate (the micro-step count) is identical on every device, and
+    returns its update; the other steps return zeros.
+
+    Args:
+      tx: the transformation to run once per ``every_k`` steps, typically an
+        ``optax.chain`` of a compressor and an optimizer.
+      every_k: micro-steps per optimizer step, a concrete int >= 1.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is an
+      :class:`AccumulateState` (:func:`sidco_jax.metrics`,
+      :func:`sidco_jax.state_specs` and :func:`sidco_jax.shard_init` see
+      through it).
+
+    Raises:
+      TypeError: for an ``every_k`` that is not an integer (bools included).
+      ValueError: for an ``every_k`` below 1 or traced.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, sidco_jax as sidco
+      >>> tx = sidco.accumulate(optax.chain(sidco.compress(0.5), optax.sgd(1.0)), 2)
+      >>> params = jnp.zeros(4)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(jnp.array([4.0, 0.0, -2.0, 0.0]), state, params)
+      >>> updates  # a micro-step: nothing sent
+      Array([0., 0., 0., 0.], dtype=float32)
+      >>> updates, state = tx.update(jnp.array([0.0, 0.0, -2.0, 1.0]), state, params)
+      >>> updates  # the mean [2, 0, -2, 0.5], compressed to half its entries
+      Array([-2., -0.,  2., -0.], dtype=float32)
+    """
+    every_k = check_every_k(every_k)
+    tx = optax.with_extra_args_support(tx)
+
+    def init(params):
+        accumulator = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return AccumulateState(jnp.zeros((), jnp.int32), accumulator, tx.init(params))
+
+    def update(updates, state, params=None, **extra_args):
+        # optax.MultiSteps' running mean, to the bit: acc + (g - acc) / (i + 1).
+        mean = jax.tree.map(
+            lambda g, a: a + (g - a) / (state.mini_step + 1), updates, state.accumulator
+        )
+        boundary = state.mini_step == every_k - 1
+
+        def step(_):
+            return tx.update(optax.tree.cast_like(mean, updates), state.inner, params, **extra_args)
+
+        def hold(_):
+            shapes = jax.eval_shape(step, None)[0]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner
+
+        out, inner = lax.cond(boundary, step, hold, None)
+        accumulator = jax.tree.map(lambda a: jnp.where(boundary, jnp.zeros_like(a), a), mean)
+        return out, AccumulateState((state.mini_step + 1) % every_k, accumulator, inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,145 @@
+"""sidco.accumulate: MultiSteps' updates, with one selection and one collective per k steps."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from harness import AXIS, gradient_stream, mesh_of, params_tree, run_shard_map
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sidco_jax as sidco
+
+
+def _equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _local(stream, device=0):
+    return [jax.tree.map(lambda g: g[device], grads) for grads in stream]
+
+
+@pytest.mark.parametrize("name", ["sidco-e", "sidco-p", "topk", "dgc", "randomk"])
+@pytest.mark.parametrize("every_k", [1, 3, 4])
+def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
+    chain = optax.chain(sidco.compressor(name, 0.05), optax.sgd(0.1, momentum=0.9))
+    ours, theirs = sidco.accumulate(chain, every_k), optax.MultiSteps(chain, every_k)
+    params = params_tree()
+    state, ref = ours.init(params), theirs.init(params)
+    step, ref_step = jax.jit(ours.update), jax.jit(theirs.update)
+    for grads in _local(gradient_stream(rng, 3 * every_k + 1)):
+        updates, state = step(grads, state, params)
+        ref_updates, ref = ref_step(grads, ref, params)
+        _equal(updates, ref_updates)
+        _equal(state.inner, ref.inner_opt_state)  # residuals, stage counts, momentum
+        _equal(state.accumulator, ref.acc_grads)
+        params = optax.apply_updates(params, updates)
+    assert int(sidco.metrics(state)["step"]) == (3 * every_k + 1) // every_k
+
+
+def test_under_shard_map_the_boundary_compresses_the_mean_of_each_devices_micro_steps(rng):
+    # Multiples of 1/64 (harness): the running mean of two micro-steps is exact.
+    stream = gradient_stream(rng, 6)
+    inner = optax.chain(sidco.compress(0.05, axis_name=AXIS), optax.sgd(0.1, momentum=0.9))
+    updates, states, _ = run_shard_map(sidco.accumulate(inner, 2), stream)
+    means = [jax.tree.map(lambda a, b: (a + b) / 2, *stream[i : i + 2]) for i in (0, 2, 4)]
+    ref_updates, ref_states, _ = run_shard_map(inner, means)
+    for i in range(3):
+        _equal(updates[2 * i], jax.tree.map(jnp.zeros_like, ref_updates[i]))
+        _equal(updates[2 * i + 1], ref_updates[i])
+        _equal(states[2 * i + 1].inner, ref_states[i])
+    assert sidco.state_specs(states[0], AXIS).accumulator == {k: P(AXIS) for k in "bvw"}
+
+
+def _computations(text: str) -> dict[str, str]:
+    """The computations of an HLO module by name (ENTRY as "ENTRY"), with their bodies."""
+    found, name, body = {}, None, []
+    for line in text.splitlines():
+        header = re.match(r"(ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            name, body = ("ENTRY" if header.group(1) else header.group(2)), []
+        elif line == "}" and name is not None:
+            found[name] = "\n".join(body)
+            name = None
+        elif name is not None:
+            body.append(line)
+    return found
+
+
+def _reachable(computations, start, skip=()):
+    """The text of ``start`` and every computation it calls, transitively, less ``skip``."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name in skip:
+            continue
+        seen.add(name)
+        todo += [c for c in re.findall(r"%([\w.\-]+)", computations[name]) if c in computations]
+    return "\n".join(computations[n] for n in seen)
+
+
+@pytest.mark.parametrize("name", ["sidco-e", "topk", "randomk"])
+def test_the_compiled_micro_step_has_no_collective(name):
+    tx = sidco.accumulate(
+        optax.chain(sidco.compressor(name, 0.05, axis_name=AXIS), optax.sgd(0.1)), 4
+    )
+    mesh = mesh_of()
+    state = sidco.shard_init(tx, params_tree(), mesh, AXIS)
+    specs = sidco.state_specs(state, AXIS)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(), specs))
+    def step(state, grads):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+
+    grads = {k: jnp.zeros((8, *v.shape)) for k, v in params_tree().items()}
+    grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
+    computations = _computations(step.lower(state, grads).compile().as_text())
+    # The accumulation's cond is the one conditional of the entry computation;
+    # with an integer index its branches are (false: micro-step, true: boundary).
+    (line,) = [x for x in computations["ENTRY"].splitlines() if " conditional(" in x]
+    micro, boundary = re.search(r"branch_computations=\{%([\w.\-]+), %([\w.\-]+)\}", line).groups()
+    assert sidco.hlo_collectives(_reachable(computations, boundary))  # the message is there
+    # Everything a micro-step runs: the entry computation and the micro branch.
+    assert sidco.hlo_collectives(_reachable(computations, "ENTRY", skip={boundary})) == []
+    assert sidco.hlo_collectives(_reachable(computations, micro)) == []
+
+
+def test_nothing_is_lost_through_accumulation(rng):
+    tx = sidco.accumulate(sidco.compress(0.05), 2)
+    state = tx.init(params_tree())
+    step = jax.jit(tx.update)
+    stream = _local(gradient_stream(rng, 6))
+    for i in range(0, 6, 2):
+        old = state.inner.residual
+        zero, state = step(stream[i], state)
+        _equal(zero, jax.tree.map(jnp.zeros_like, zero))
+        _equal(state.inner.residual, old)  # a micro-step leaves the residual alone
+        sent, state = step(stream[i + 1], state)
+        mean = jax.tree.map(lambda a, b: (a + b) / 2, stream[i], stream[i + 1])
+        # sent + new residual == mean gradient + old residual, bit for bit.
+        _equal(jax.tree.map(np.add, sent, state.inner.residual), jax.tree.map(np.add, mean, old))
+
+
+@pytest.mark.parametrize(
+    ("every_k", "error", "message"),
+    [
+        (0, ValueError, "every_k must be an integer >= 1, got 0"),
+        (-2, ValueError, "every_k must be an integer >= 1, got -2"),
+        (2.0, TypeError, "every_k must be an integer >= 1, got 2.0"),
+        (True, TypeError, "every_k must be an integer >= 1, got True"),
+        (None, TypeError, "every_k must be an integer >= 1, got None"),
+    ],
+)
+def test_a_bad_every_k_is_refused(every_k, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        sidco.accumulate(sidco.compress(0.1), every_k)
+
+
+def test_a_traced_every_k_is_refused():
+    with pytest.raises(ValueError, match=r"every_k must be a concrete integer >= 1, got a traced"):
+        jax.jit(lambda k: sidco.accumulate(sidco.compress(0.1), k).init(jnp.zeros(3)))(2)

@@ -1,0 +1,132 @@
+"""Dense warm-up: ``warmup_steps`` dense steps, then compression, on every compressor."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import AXIS, gradient_stream, params_tree, run_local, run_shard_map
+
+import sidco_jax as sidco
+
+NAMES = [name for name in sidco.COMPRESSORS if name != "dense"]
+WARMUP = 3
+
+
+def _leaves_equal(a, b) -> bool:
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_first_steps_are_dense_and_compression_starts_at_step_n(rng, name):
+    stream = gradient_stream(rng, WARMUP + 2)
+    tx = sidco.compressor(name, 0.05, warmup_steps=WARMUP)
+    updates, states = run_local(tx, stream)
+    dense_updates, dense_states = run_local(sidco.dense(), stream)
+    zero = sidco.compressor(name, 0.05).init(params_tree())
+    for t in range(WARMUP):
+        assert _leaves_equal(updates[t], dense_updates[t]), t
+        m, d = sidco.metrics(states[t]), sidco.metrics(dense_states[t])
+        assert int(m["bytes"]) == int(d["bytes"]) == 4 * 2260
+        assert float(m["density"]) == 1.0
+        assert float(m["target_density"]) == np.float32(0.05)
+        assert int(m["step"]) == t + 1
+        # The residual and the rule's state are those of a fresh compressor.
+        assert _leaves_equal(states[t].residual, zero.residual)
+        assert _leaves_equal(states[t].rule, zero.rule)
+    # Step N compresses: at most the payload's capacity of entries, not the dense mean.
+    m = sidco.metrics(states[WARMUP])
+    assert float(m["density"]) <= 0.1
+    assert int(m["bytes"]) < 4 * 2260
+    assert not _leaves_equal(updates[WARMUP], dense_updates[WARMUP])
+
+
+@pytest.mark.parametrize("name", ["sidco-e", "sidco-p", "topk", "gaussiank", "redsync"])
+def test_after_warmup_a_deterministic_rule_compresses_as_from_a_fresh_start(rng, name):
+    stream = gradient_stream(rng, WARMUP + 2)
+    updates, states = run_local(sidco.compressor(name, 0.05, warmup_steps=WARMUP), stream)
+    fresh, fresh_states = run_local(sidco.compressor(name, 0.05), stream[WARMUP:])
+    for t in range(2):
+        assert _leaves_equal(updates[WARMUP + t], fresh[t])
+        assert _leaves_equal(states[WARMUP + t].residual, fresh_states[t].residual)
+
+
+# One rule of each kind: a threshold, exact top-k, a sampled threshold, shared indices.
+@pytest.mark.parametrize("name", ["sidco-e", "topk", "dgc", "randomk"])
+def test_warmup_under_shard_map_equals_dense_then_compresses(rng, name):
+    stream = gradient_stream(rng, WARMUP + 1)
+    tx = sidco.compressor(name, 0.05, axis_name=AXIS, warmup_steps=WARMUP)
+    updates, states, _ = run_shard_map(tx, stream)
+    dense_updates, _, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
+    for t in range(WARMUP):
+        assert _leaves_equal(updates[t], dense_updates[t]), t
+        assert int(sidco.metrics(states[t])["bytes"]) == 4 * 2260
+        assert not np.any(jax.tree.leaves(jax.tree.map(np.any, states[t].residual)))
+    assert float(sidco.metrics(states[WARMUP])["density"]) <= 0.1
+    assert not _leaves_equal(updates[WARMUP], dense_updates[WARMUP])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nothing_is_lost_through_warmup(rng, name):
+    stream = gradient_stream(rng, WARMUP + 3)
+    tx = sidco.compressor(name, 0.05, warmup_steps=WARMUP)
+    state = tx.init(params_tree())
+    update = jax.jit(tx.update)
+    for grads in stream:
+        g = jax.tree.map(lambda x: x[0], grads)
+        sent, new = update(g, state)
+        # sent + new residual == gradient + old residual, bit for bit.
+        jax.tree.map(
+            lambda s, r, x, old: np.testing.assert_array_equal(
+                np.asarray(s) + np.asarray(r), np.asarray(x) + np.asarray(old)
+            ),
+            sent,
+            new.residual,
+            g,
+            state.residual,
+        )
+        state = new
+
+
+def test_warmup_compiles_one_step_for_every_count(rng):
+    tx = sidco.compress(0.05, warmup_steps=2)
+    traces = []
+
+    @jax.jit
+    def step(g, state):
+        traces.append(1)
+        return tx.update(g, state)
+
+    state = tx.init(params_tree())
+    for grads in gradient_stream(rng, 4):
+        _, state = step(jax.tree.map(lambda x: x[0], grads), state)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (-1, ValueError, "warmup_steps must be an integer >= 0, got -1"),
+        (1.5, TypeError, "warmup_steps must be an integer >= 0, got 1.5"),
+        (True, TypeError, "warmup_steps must be an integer >= 0, got True"),
+        ("10", TypeError, "warmup_steps must be an integer >= 0, got '10'"),
+    ],
+)
+def test_a_bad_warmup_is_refused_at_construction(name, value, error, message):
+    with pytest.raises(error, match=message):
+        sidco.compressor(name, 0.05, warmup_steps=value)
+
+
+def test_every_compressor_but_dense_takes_warmup_steps():
+    for name in sidco.COMPRESSORS:
+        factory = functools.partial(sidco.compressor, name, 0.05, warmup_steps=1)
+        if name == "dense":
+            with pytest.raises(TypeError, match="unknown options"):
+                factory()
+        else:
+            assert factory().init(jnp.zeros(3)) is not None
