@@ -146,33 +146,19 @@ def train_least_squares(steps: int, ratio: float = 0.05, per_device: int = 16, f
     x = data.normal(size=(devices * per_device, features)).astype(np.float32)
     y = (x @ data.normal(size=features) + 0.1 * data.normal(size=len(x))).astype(np.float32)
 
-    def place(value, spec):
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    x, y = place(x, P(AXIS)), place(y, P(AXIS))
-    params = place(np.zeros(features, np.float32), P())
+    x, y = sidco.place((x, y), mesh, P(AXIS))
+    params = sidco.place(np.zeros(features, np.float32), mesh)
     tx = optax.chain(sidco.compress(ratio, axis_name=AXIS), optax.sgd(0.05))
     state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
 
-    def loss(w, x, y):
+    def loss(w, batch):
+        x, y = batch
         return jnp.mean((x @ w - y) ** 2)
 
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), specs, P(AXIS), P(AXIS)),
-        out_specs=(P(), specs),
-    )
-    def step(w, state, x, y):
-        grads = jax.grad(loss)(jax.lax.pcast(w, AXIS, to="varying"), x, y)
-        updates, state = tx.update(grads, state, w)
-        return optax.apply_updates(w, updates), state
+    step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS)
 
     for _ in range(steps):
-        params, state = step(params, state, x, y)
+        params, state, _ = step(params, state, (x, y))
     metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
     return np.asarray(params.addressable_data(0)), metrics
 

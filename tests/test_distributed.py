@@ -20,7 +20,6 @@ from harness import (
     run_local,
     run_shard_map,
 )
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -204,23 +203,13 @@ def _train_step(tx, mesh, n):
     params = jax.device_put(jnp.zeros((8, n // 8)), NamedSharding(mesh, P()))
     params = list(params)  # 8 leaves: XLA fuses the dense psum into one tuple all-reduce
     state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
 
     def loss(w, x):
         return jnp.mean((x @ jnp.concatenate(w) - 1.0) ** 2)
 
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
-    )
-    def step(params, state, x):
-        # pcast: the gradient of replicated params would otherwise be psummed
-        # (densely) by the backward pass itself, before any compression.
-        grads = jax.grad(loss)(lax.pcast(params, AXIS, to="varying"), x)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS)
     x = jax.device_put(jnp.ones((DEVICES, n)), NamedSharding(mesh, P(AXIS)))
-    return jax.jit(step).lower(params, state, x).compile()
+    return step.lower(params, state, x).compile()
 
 
 @pytest.mark.parametrize("ratio", [0.001, 0.01])
