@@ -175,7 +175,6 @@ def test_one_nonfinite_device_stops_every_device(rng):
 
 
 def test_auto_communication_moves_fewer_bytes():
-    assert sidco.MODES == ("auto", "sparse", "dense")
     from sidco_jax._src import aggregate
 
     assert aggregate.resolve("auto", 10_000, 1000, 8) == "sparse"  # 8000 < 10000
