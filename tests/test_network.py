@@ -18,6 +18,8 @@ import pytest
 
 from benchmarks import network, virtual_link
 
+pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARK = [sys.executable, "-m", "benchmarks.network"]
 LIMIT = 300  # seconds for a whole benchmark run: a hung job fails the test, never CI

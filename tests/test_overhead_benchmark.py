@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 

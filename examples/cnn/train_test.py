@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import optax
+import pytest
 
 import sidco_jax as sidco
 from examples.cnn import main, train
@@ -25,6 +26,7 @@ def test_optimizer_chains_the_compressor_before_sgd():
     assert isinstance(state[1][0], optax.TraceState)  # momentum after the compressor
 
 
+@pytest.mark.slow
 def test_tiny_config_trains_with_sidco_and_dense_and_writes_its_report(tmp_path, capsys):
     histories = main.main(["--config", "tiny", "--workdir", str(tmp_path)])
     assert [h.compressor for h in histories] == ["sidco-e", "dense"]

@@ -4,12 +4,14 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 
 from examples.lm import main
 
 ENGLISH = pathlib.Path(__file__).parents[2] / "docs" / "algorithm.md"  # real English prose
 
 
+@pytest.mark.slow
 def test_tiny_config_trains_on_a_text_file_and_reports_validation_perplexity(tmp_path):
     histories = main.main(["--config", "tiny", "--workdir", str(tmp_path), "--text", str(ENGLISH)])
     vocab = len(set(ENGLISH.read_text(encoding="utf-8")[:20_000]))
