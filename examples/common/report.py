@@ -11,7 +11,7 @@ SMOOTHING = 10  # steps in the moving average of the loss and density plots
 LEGEND = """\
 - {held_out} {metric}: at the last step, on the held-out {held_out} data
 - final loss: mean training loss over the last 10% of the steps
-- sent/target: entries sent over the target ratio, median over the steps (1.00 is on target)
+- sent/target (median): entries sent over the target ratio, median over the steps (1.00: on target)
 - bytes/step/device: what one device sends per step, read from the compiled step's collectives
 - / dense: those bytes over dense's
 - s/step: wall-clock seconds per step, evaluation included, compilation excluded"""
@@ -21,8 +21,8 @@ def table(histories: list[loop.History], metric: str, ratio: float, held_out: st
     """A Markdown table: final metric, loss, density, bytes and time per step of every run."""
     dense = next((h for h in histories if h.compressor == "dense"), None)
     lines = [
-        f"| compressor | {held_out} {metric} | final loss | sent/target | bytes/step/device "
-        "| / dense | s/step |",
+        f"| compressor | {held_out} {metric} | final loss | sent/target (median) "
+        "| bytes/step/device | / dense | s/step |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for h in histories:
