@@ -6,8 +6,8 @@ all see the same devices, whichever of them pytest is given.
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import chex  # after JAX_PLATFORMS: chex imports jax
+
+chex.set_n_cpu_devices(8)  # only sets XLA_FLAGS: no backend has started yet
