@@ -19,9 +19,9 @@ Default grid: n = 2^24, 2^25, 2^26 and ratios 0.01, 0.001; on one GPU it is
 meant to finish within 5 minutes, mostly compilation (about 8 s per row on
 two CPU cores, untested on a GPU yet).
 
-    python benchmarks/device.py                          # full grid, <= 5 min on one GPU
-    python benchmarks/device.py --json $OUT/device.json  # table next to it as device.md
-    python benchmarks/device.py --sizes 20 --ratios 0.01 --repeats 5   # CPU smoke run
+    python -m benchmarks.device                          # full grid, <= 5 min on one GPU
+    python -m benchmarks.device --json $OUT/device.json  # table next to it as device.md
+    python -m benchmarks.device --sizes 20 --ratios 0.01 --repeats 5   # CPU smoke run
 """
 
 import argparse
@@ -261,7 +261,9 @@ def main(argv=None) -> list[dict]:
         "stages": STAGES,
         "seed": args.seed,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.argv if argv is None else ["benchmarks/device.py", *argv]),
+        "command": shlex.join(
+            sys.argv if argv is None else ["python", "-m", "benchmarks.device", *argv]
+        ),
         "budget_s": args.budget,
         "total_s": total,
     }

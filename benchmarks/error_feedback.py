@@ -12,7 +12,7 @@ final loss (and accuracy):
 * ``t3-stream``: no model, fresh Student-t(3) noise as the gradient of every step (2^16
   entries), to see the controllers on data that one stage over-selects.
 
-    python benchmarks/error_feedback.py --ratios 0.05 0.01 --steps 2000
+    python -m benchmarks.error_feedback --ratios 0.05 0.01 --steps 2000
 
 Needs scikit-learn (``pip install -e ".[examples]"``) for the digits.
 """

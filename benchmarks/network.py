@@ -43,7 +43,7 @@ parameters, roughly 0.2-0.3 GB of parameters, state and executable per run and
 process), and a job takes ``rounds x steps x runs`` two-process steps plus
 twice as many local-only timings: raise ``--timeout`` for long ones.
 
-    sudo python benchmarks/network.py --bandwidths 100mbit 1gbit 10gbit \\
+    sudo python -m benchmarks.network --bandwidths 100mbit 1gbit 10gbit \\
         --jobs lm:large cnn:default --ratios 0.01 0.001 --rounds 3 --steps 20 \\
         --json runs/network.json
 """
@@ -57,10 +57,9 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from benchmarks.virtual_link import VirtualLink, bits_per_second, unavailable
 
-from virtual_link import VirtualLink, bits_per_second, unavailable  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 COMPRESSORS = ("dense", "topk", "dgc", "gaussiank", "redsync", "sidco-e", "sidco-p", "sidco-gp")
 # (randomk is left out by default: it does not converge at these ratios, docs/benchmarks.md)
@@ -98,9 +97,9 @@ def schedule(count: int, rounds: int) -> list[list[int]]:
 
 def worker(spec: dict) -> None:
     """One process of the job: measures every (compressor, ratio) and writes its JSON."""
-    import importlib
-
     import jax
+
+    from examples.common.loop import example
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_compilation_cache_dir", spec["cache"])
@@ -113,9 +112,7 @@ def worker(spec: dict) -> None:
         initialization_timeout=120,
         heartbeat_timeout_seconds=10,
     )
-    model, name = spec["job"].split(":")
-    config = importlib.import_module(f"examples.{model}.configs.{name}").get_config()
-    task = importlib.import_module(f"examples.{model}.train").task(config)
+    task, config = example(spec["job"])
     counter = pathlib.Path(f"/sys/class/net/{spec['device']}/statistics/tx_bytes")
     out = _measure(task, config, spec, counter)
     out["traces"] = [
@@ -137,17 +134,26 @@ def _optimizer(name: str, ratio: float, config, axis_name):
 
 def _setup(task, config, name: str, ratio: float, batches: int):
     """The compiled two-process step, placed parameters, state and ``batches`` placed batches."""
+    import types
+
+    import jax
     import numpy as np
 
+    import sidco_jax as sidco
     from examples.common import parallel
 
     data = np.random.default_rng(config.seed)
     host = [task.sample(data, 2 * config.batch_per_device) for _ in range(batches)]
-    params = task.init(config.seed)
+    mesh = parallel.mesh(2)
+    params = sidco.place(task.init(config.seed), mesh)
+    placed = [sidco.place(b, mesh, jax.P(parallel.AXIS)) for b in host]
     tx = _optimizer(name, ratio, config, parallel.AXIS)
-    trainer = parallel.build(task.loss, params, host[0], tx, devices=2)
-    placed = [parallel.place(trainer.mesh, b, parallel.P(parallel.AXIS)) for b in host]
-    params = parallel.place(trainer.mesh, params, parallel.P())
+    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+    step = sidco.data_parallel_step(
+        task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
+    )
+    step, sent = parallel.compile_step(step, params, opt_state, placed[0])
+    trainer = types.SimpleNamespace(step=step, opt_state=opt_state, bytes_per_step=sent)
     return trainer, params, placed, host
 
 
@@ -286,7 +292,7 @@ def run_job(link: VirtualLink, spec: dict, timeout: float, workdir: pathlib.Path
         mine = dict(
             spec, process=side, device=link.devices[side], out=str(workdir / f"{side}.json")
         )
-        argv = [sys.executable, __file__, "--worker", json.dumps(mine)]
+        argv = [sys.executable, "-m", "benchmarks.network", "--worker", json.dumps(mine)]
         if cores > 1:  # one core each, as two hosts would have
             argv = ["taskset", "-c", str(side % cores), *argv]
         log = open(workdir / f"{side}.log", "w")  # noqa: SIM115 (closed below)

@@ -25,18 +25,17 @@ Gradients (``--source``): ``flat:L`` is a Student-t(3) vector of 2^L entries
 cut into two flat leaves; ``lm:large``, ``lm:default``, ``cnn:default`` ... are
 real gradients of the examples' models (their parameter trees).
 
-    python benchmarks/overhead.py kernels --sizes 20 22 24 --ratios 0.01 0.001
-    python benchmarks/overhead.py updates --source lm:large flat:24 --ratios 0.001
-    python benchmarks/overhead.py phases --source lm:large
-    python benchmarks/overhead.py step --source lm:large cnn:default
+    python -m benchmarks.overhead kernels --sizes 20 22 24 --ratios 0.01 0.001
+    python -m benchmarks.overhead updates --source lm:large flat:24 --ratios 0.001
+    python -m benchmarks.overhead phases --source lm:large
+    python -m benchmarks.overhead step --source lm:large cnn:default
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-        python benchmarks/overhead.py axis --source flat:24
-    taskset -c 0 python benchmarks/overhead.py updates --source lm:large   # one core
+        python -m benchmarks.overhead axis --source flat:24
+    taskset -c 0 python -m benchmarks.overhead updates --source lm:large   # one core
 """
 
 import argparse
 import functools
-import importlib
 import json
 import math
 import os
@@ -51,12 +50,12 @@ import numpy as np
 import optax
 from jax import lax
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the examples' models, for the real parameter trees
+import sidco_jax as sidco
+from examples.common.loop import example  # the examples' models, for real parameter trees
+from sidco_jax._src import aggregate, passes, thresholds
+from sidco_jax._src import payload as payload_lib
 
-import sidco_jax as sidco  # noqa: E402
-from sidco_jax._src import aggregate, passes, thresholds  # noqa: E402
-from sidco_jax._src import payload as payload_lib  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 MODES = ("kernels", "updates", "phases", "step", "axis")
@@ -112,14 +111,6 @@ def temp_bytes(fn, *args) -> int:
 
 
 # ----------------------------------------------------------------------------- gradients
-
-
-def example(job: str):
-    """``(task, config)`` of an example job such as ``"lm:large"``."""
-    model, name = job.split(":")
-    config = importlib.import_module(f"examples.{model}.configs.{name}").get_config()
-    task = importlib.import_module(f"examples.{model}.train").task(config)
-    return task, config
 
 
 def gradient(source: str):
@@ -438,7 +429,7 @@ def main(argv=None) -> list[dict]:
     print()
     print(table(rows))
     meta = {
-        "command": " ".join(["python", "benchmarks/overhead.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.overhead", *(argv or sys.argv[1:])]),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),

@@ -3,14 +3,14 @@
 For each law (Laplace, Student-t(3), normal, +-gamma(0.3)), ratio and estimator, prints
 ``count(|x| > eta) / (ratio * n)`` for each stage count; 1.0 is ideal.
 
-    python benchmarks/quality.py --log2-n 20 --ratios 0.01 0.001 --stages 1 3
+    python -m benchmarks.quality --log2-n 20 --ratios 0.01 0.001 --stages 1 3
 
 With ``--compressors``, every compressor's one-step selection (its defaults, and
 SIDCo with one stage) on the synthetic laws and on the whole-model gradients
 the example trainers captured (``--capture-steps``; npz files given with
 ``--gradients``), then the median per compressor and ratio:
 
-    python benchmarks/quality.py --compressors --gradients runs/cnn/gradients_dense.npz
+    python -m benchmarks.quality --compressors --gradients runs/cnn/gradients_dense.npz
 
 Medians are also given per group of vectors: the synthetic laws, and each
 trainer's gradients early (its first captured step) and late (its last).

@@ -30,7 +30,14 @@ from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.metrics import metrics
 from sidco_jax._src.payload import capacity, densify, sparsify
 from sidco_jax._src.registry import COMPRESSORS, compressor
-from sidco_jax._src.sharding import is_residual, shard_init, state_shardings, state_specs
+from sidco_jax._src.sharding import (
+    data_parallel_step,
+    is_residual,
+    place,
+    shard_init,
+    state_shardings,
+    state_specs,
+)
 from sidco_jax._src.sidco import SidcoState, compress
 from sidco_jax._src.thresholds import max_stages, threshold
 
@@ -63,6 +70,7 @@ __all__ = [
     "compress",
     "compressor",
     "costs",
+    "data_parallel_step",
     "dense",
     "densify",
     "dgc",
@@ -71,6 +79,7 @@ __all__ = [
     "is_residual",
     "max_stages",
     "metrics",
+    "place",
     "randomk",
     "redsync",
     "restore",

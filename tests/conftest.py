@@ -1,11 +1,4 @@
-"""Test set-up: 8 forced CPU devices, set before JAX initialises its backends."""
-
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+"""Test fixtures; the 8 forced CPU devices are set up in the root ``conftest.py``."""
 
 import jax
 import numpy as np

@@ -152,43 +152,28 @@ def train_least_squares(
     if hierarchical:
         mesh = jax.make_mesh((2, devices // 2), ("node", "local"))
         axis, data_axes = "node", ("node", "local")
-        tx = optax.chain(
-            sidco.compress(ratio, axis_name="node", inner_axis="local"), optax.sgd(0.05)
-        )
+        compressor = sidco.compress(ratio, axis_name="node", inner_axis="local")
     else:
         mesh = jax.make_mesh((devices,), (AXIS,))
         axis, data_axes = AXIS, AXIS
-        tx = optax.chain(sidco.compress(ratio, axis_name=AXIS), optax.sgd(0.05))
+        compressor = sidco.compress(ratio, axis_name=AXIS)
     data = np.random.default_rng(7)
     x = data.normal(size=(devices * per_device, features)).astype(np.float32)
     y = (x @ data.normal(size=features) + 0.1 * data.normal(size=len(x))).astype(np.float32)
 
-    def place(value, spec):
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    x, y = place(x, P(data_axes)), place(y, P(data_axes))
-    params = place(np.zeros(features, np.float32), P())
+    x, y = sidco.place((x, y), mesh, P(data_axes))
+    params = sidco.place(np.zeros(features, np.float32), mesh)
+    tx = optax.chain(compressor, optax.sgd(0.05))
     state = sidco.shard_init(tx, params, mesh, axis)
-    specs = sidco.state_specs(state, axis)
 
-    def loss(w, x, y):
+    def loss(w, batch):
+        x, y = batch
         return jnp.mean((x @ w - y) ** 2)
 
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), specs, P(data_axes), P(data_axes)),
-        out_specs=(P(), specs),
-    )
-    def step(w, state, x, y):
-        grads = jax.grad(loss)(jax.lax.pcast(w, data_axes, to="varying"), x, y)
-        updates, state = tx.update(grads, state, w)
-        return optax.apply_updates(w, updates), state
+    step = sidco.data_parallel_step(loss, tx, state, mesh, data_axes, state_axis=axis)
 
     for _ in range(steps):
-        params, state = step(params, state, x, y)
+        params, state, _ = step(params, state, (x, y))
     metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
     return np.asarray(params.addressable_data(0)), metrics
 

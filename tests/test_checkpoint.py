@@ -264,3 +264,9 @@ def test_another_ratio_warns_when_the_target_holds_values(tmp_path):
         assert_trees_equal(sidco.restore(tmp_path / "ckpt", small_state(0.02)), saved)
         # An abstract target holds no ratio to compare with: documented, no warning.
         sidco.restore(tmp_path / "ckpt", jax.eval_shape(lambda: small_state(0.05)))
+
+
+def test_without_orbax_save_names_the_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'sidco_jax\[checkpoint\]'"):
+        sidco.save(tmp_path / "ckpt", {"w": jnp.zeros(3)})

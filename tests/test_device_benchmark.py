@@ -1,6 +1,5 @@
 """benchmarks/device.py: a tiny grid on CPU, and its budget and out-of-memory handling."""
 
-import importlib.util
 import json
 import pathlib
 import time
@@ -8,12 +7,9 @@ import time
 import jax
 import pytest
 
+from benchmarks import device
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "device_benchmark", ROOT / "benchmarks" / "device.py"
-)
-device = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(device)
 
 METHODS = [
     "one pass",

@@ -20,7 +20,6 @@ from harness import (
     run_local,
     run_shard_map,
 )
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -176,7 +175,6 @@ def test_one_nonfinite_device_stops_every_device(rng):
 
 
 def test_auto_communication_moves_fewer_bytes():
-    assert sidco.MODES == ("auto", "sparse", "dense", "sparse_allreduce")
     from sidco_jax._src import aggregate
 
     # Two devices: 8 bytes a slot from one peer against a ring's 4 bytes an entry.
@@ -205,23 +203,13 @@ def _train_step(tx, mesh, n):
     params = jax.device_put(jnp.zeros((8, n // 8)), NamedSharding(mesh, P()))
     params = list(params)  # 8 leaves: XLA fuses the dense psum into one tuple all-reduce
     state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
 
     def loss(w, x):
         return jnp.mean((x @ jnp.concatenate(w) - 1.0) ** 2)
 
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
-    )
-    def step(params, state, x):
-        # pcast: the gradient of replicated params would otherwise be psummed
-        # (densely) by the backward pass itself, before any compression.
-        grads = jax.grad(loss)(lax.pcast(params, AXIS, to="varying"), x)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS)
     x = jax.device_put(jnp.ones((DEVICES, n)), NamedSharding(mesh, P(AXIS)))
-    return jax.jit(step).lower(params, state, x).compile()
+    return step.lower(params, state, x).compile()
 
 
 @pytest.mark.parametrize("ratio", [0.001, 0.01])

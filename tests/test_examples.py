@@ -1,7 +1,6 @@
-"""The example trainers run end to end on tiny configurations; their loaders reject bad data."""
+"""The example trainers' command line, report and loaders (each train_test.py runs its trainer)."""
 
 import gzip
-import json
 import pathlib
 import pickle
 
@@ -10,35 +9,9 @@ import pytest
 
 from examples.cnn import input_pipeline
 from examples.cnn import main as cnn_main
-from examples.common import parallel
+from examples.common import report
 from examples.lm import input_pipeline as text_pipeline
 from examples.lm import main as lm_main
-
-
-def test_cnn_trains_with_sidco_and_dense_and_writes_its_report(tmp_path):
-    histories = cnn_main.main(["--config", "tiny", "--workdir", str(tmp_path)])
-    assert [h.compressor for h in histories] == ["sidco-e", "dense"]
-    sidco_run, dense_run = histories
-    for h in histories:
-        assert h.steps == [1, 2, 3, 4] and np.all(np.isfinite(h.loss))
-        assert h.eval_steps == [2, 4] and all(0.0 <= a <= 1.0 for a in h.evals)
-    assert 0 < sidco_run.bytes_per_step < dense_run.bytes_per_step / 5
-    assert dense_run.bytes_per_step >= 4 * dense_run.parameters  # a dense all-reduce
-    record = json.loads((tmp_path / "results.json").read_text())
-    assert record["metric"] == "accuracy" and len(record["runs"]) == 2
-    assert "| sidco-e |" in (tmp_path / "summary.md").read_text()
-    for name in ("loss", "accuracy", "density"):
-        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    captured = np.load(tmp_path / "gradients_sidco-e.npz")
-    assert sorted(captured) == ["grad_step1", "grad_step4", "u_step1", "u_step4"]
-    assert captured["grad_step4"].shape == (sidco_run.parameters,)
-    np.testing.assert_array_equal(captured["u_step1"], captured["grad_step1"])  # no residual yet
-    assert not np.array_equal(captured["u_step4"], captured["grad_step4"])
-
-
-def test_unknown_compressor_is_refused():
-    with pytest.raises(ValueError, match="compressor must be one of"):
-        parallel.compressor("sidco-x", 0.01)
 
 
 def _write_idx(path, array, compress=False):
@@ -111,20 +84,6 @@ def test_loaders_reject_missing_or_malformed_data(tmp_path, dataset, setup, erro
 ENGLISH = pathlib.Path(__file__).parent.parent / "docs" / "algorithm.md"  # real English prose
 
 
-def test_lm_trains_on_a_text_file_and_reports_perplexity(tmp_path):
-    histories = lm_main.main(
-        ["--config", "tiny", "--workdir", str(tmp_path), "--text", str(ENGLISH)]
-    )
-    vocab = len(set(ENGLISH.read_text(encoding="utf-8")[:20_000]))
-    for h in histories:
-        assert h.eval_steps == [3]
-        assert 1.0 < h.evals[0] < 2 * vocab  # near-uniform at the start: about the vocabulary size
-    assert histories[0].bytes_per_step < histories[1].bytes_per_step / 5
-    assert json.loads((tmp_path / "results.json").read_text())["metric"] == "perplexity"
-    assert (tmp_path / "perplexity.png").is_file()
-    assert np.load(tmp_path / "gradients_sidco-e.npz")["grad_step2"].size == histories[0].parameters
-
-
 @pytest.mark.parametrize(
     ("content", "error", "message"),
     [
@@ -153,3 +112,68 @@ def test_the_bundled_text_is_english_prose_shipped_offline():
     assert len(text.train) > 400_000 and text.source.startswith("CPython")
     words = "".join(text.vocab[i] for i in text.train[:20_000]).lower().split()
     assert sum(w in {"the", "of", "and", "is", "a", "to"} for w in words) > 0.05 * len(words)
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "message"),
+    [
+        (cnn_main, ["--config", "tinyy"], "--config: invalid choice: 'tinyy' (choose from"),
+        (cnn_main, ["--dataset", "mnst"], "--dataset: invalid choice: 'mnst' (choose from"),
+        (
+            cnn_main,
+            ["--dataset", "mnist"],
+            "--dataset mnist reads its files from a directory: pass",
+        ),
+        (cnn_main, ["--devices", "0"], "--devices: 0 is below 1, the least allowed"),
+        (cnn_main, ["--devices", "9"], "--devices 9: only 8 devices are here"),
+        (cnn_main, ["--steps", "ten"], "--steps: invalid int value: 'ten'"),
+        (cnn_main, ["--compressors", "sidco-x"], "--compressors: invalid choice: 'sidco-x'"),
+        (lm_main, ["--config", "tinyy"], "--config: invalid choice: 'tinyy' (choose from"),
+        (lm_main, ["--text-limit", "10"], "--text-limit: 10 is below 1000, the least allowed"),
+    ],
+)
+def test_command_line_mistakes_end_in_usage_errors(main, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m examples.") and message in err
+
+
+@pytest.mark.parametrize("main", [cnn_main, lm_main])
+def test_help_explains_every_flag_and_keeps_the_examples_as_written(main, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for line in main.__doc__.splitlines()[2:]:
+        assert line in out  # not re-wrapped
+    assert "``" not in out
+    flags = [w.rstrip(",") for w in out.split() if w.startswith("--") and w != "--help"]
+    assert len(set(flags)) > 12
+    options = out.split("options:")[1]
+    for block in options.split("\n  --")[1:]:
+        assert "(default: " in " ".join(block.split()), block
+
+
+def test_smoothing_invents_no_values_at_the_ends():
+    constant = report.smooth(np.full(25, 0.79))  # the raw density at step 1 in the issue
+    np.testing.assert_allclose(constant, 0.79, rtol=1e-15)
+    assert report.smooth([1.0, 2.0, 3.0]).tolist() == [2.0, 2.0, 2.0]  # shorter than a window
+    ramp = np.arange(30.0)
+    got = report.smooth(ramp, window=10)
+    np.testing.assert_allclose(got[10:20], ramp[10:20] - 0.5)  # the full window, centred
+    assert got[0] == np.mean(ramp[:5]) and got[-1] == np.mean(ramp[24:])  # shrunk, not padded
+    assert report.smooth([3.0]).tolist() == [3.0]
+
+
+def test_a_series_of_one_point_gets_a_marker():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    assert report.line(ax, [3], [1.5], "x").get_marker() == "o"
+    assert report.line(ax, [1, 2], [1.5, 2.0], "y").get_marker() in (None, "None", "")
+    plt.close(fig)

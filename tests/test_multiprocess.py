@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from harness import train_least_squares
 
+pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
+
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 LIMIT = 120  # seconds: a hung job is killed, never left to block the suite
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"

@@ -16,13 +16,12 @@ import time
 
 import pytest
 
+from benchmarks import network, virtual_link
+
+pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import network  # noqa: E402
-import virtual_link  # noqa: E402
-
-BENCHMARK = [sys.executable, str(ROOT / "benchmarks" / "network.py")]
+BENCHMARK = [sys.executable, "-m", "benchmarks.network"]
 LIMIT = 300  # seconds for a whole benchmark run: a hung job fails the test, never CI
 
 
@@ -230,7 +229,7 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense sidco-e --ratios 0.05"
     command = [*BENCHMARK, *options.split(), "--rounds", str(ROUNDS), "--steps", str(STEPS)]
     command += ["--json", str(out), "--timeout", str(LIMIT - 30)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     record = json.loads(out.read_text())
     rows = {row["compressor"]: row for row in record["rows"]}
@@ -273,7 +272,7 @@ def test_an_interrupted_benchmark_removes_what_it_created(tmp_path):
     before = _ours()
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense --steps 1000"
     command = [*BENCHMARK, *options.split()]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     mine = {f"sidco{process.pid}a", f"sidco{process.pid}b"}
 
     def workers() -> bytes:  # their command lines name the link's devices

@@ -1,20 +1,20 @@
 """benchmarks/overhead.py runs every mode on small inputs and reports what it claims."""
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+
+pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")
 def overhead():
-    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import overhead
+
+    return overhead
 
 
 def check(rows, path):

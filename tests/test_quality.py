@@ -1,15 +1,11 @@
 """benchmarks/quality.py: grouping of captured gradients and the along-a-run summary."""
 
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import quality
+from benchmarks import quality
 
 
 def test_captured_gradients_are_grouped_early_and_late(tmp_path, rng):

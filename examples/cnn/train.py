@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import sidco_jax as sidco
 from examples.cnn import input_pipeline, models
-from examples.common import loop, report
+from examples.common import loop, parallel, report
 
 
-def task(config) -> loop.Task:
+def create_task(config) -> loop.Task:
     """The classification :class:`~examples.common.loop.Task` for ``config``."""
     data = input_pipeline.load(config.dataset, config.data_dir)
     classes = int(data.train_y.max()) + 1
@@ -54,11 +55,33 @@ def task(config) -> loop.Task:
     return loop.Task(init, loss, sample, evaluate, "accuracy")
 
 
+def create_optimizer(
+    config, compressor: str, axis_name: str | None = parallel.AXIS
+) -> optax.GradientTransformation:
+    """The compressor, averaging over the devices of ``axis_name``, then SGD with momentum.
+
+    ``axis_name=None`` gives the same optimizer on one device, with no communication.
+    """
+    return optax.chain(
+        sidco.compressor(compressor, config.ratio, axis_name=axis_name),
+        optax.sgd(config.learning_rate, momentum=config.momentum),
+    )
+
+
 def train_and_evaluate(config, workdir: str | pathlib.Path) -> list[loop.History]:
     """Trains every compressor of ``config``; writes results, summary and plots to ``workdir``."""
-    histories = loop.train(config, task(config), workdir)
-    summary = report.table(histories, "accuracy", config.ratio)
-    (pathlib.Path(workdir) / "summary.md").write_text(summary + "\n")
-    report.plots(histories, "accuracy", workdir)
-    print(summary)
+    workdir = pathlib.Path(workdir)
+    task = create_task(config)
+    mesh = parallel.mesh(config.devices)
+    histories = []
+    for name in config.compressors:
+        tx = create_optimizer(config, name)
+        params = sidco.place(task.init(config.seed), mesh)  # replicated on every device
+        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)  # a residual per device
+        # Per device: gradient of its shard of the batch, compressed update, apply.
+        train_step = sidco.data_parallel_step(
+            task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
+        )
+        histories.append(loop.fit(config, task, name, train_step, params, opt_state, mesh, workdir))
+    report.write(config, task, histories, workdir)
     return histories

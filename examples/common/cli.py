@@ -1,15 +1,22 @@
 """Command line of the example trainers: a config module plus one flag per config field.
 
-Parsing happens before JAX is imported, so that ``--devices`` can force that
-many CPU devices (``XLA_FLAGS``); on GPU/TPU the flag only limits the mesh.
+Each flag takes its help text, choices and least value from the field's
+metadata (see :mod:`examples.common.config`) and its default from the chosen
+config. Mistakes end in argparse errors (exit status 2) that name the bad value
+and what is allowed. ``XLA_FLAGS`` is set before JAX starts its backends, so
+that ``--devices`` can force that many CPU devices; on GPU/TPU the flag only
+limits the mesh.
 """
 
 import argparse
 import dataclasses
 import importlib
 import os
-import sys
+import pkgutil
 import typing
+from collections.abc import Callable
+
+import sidco_jax as sidco
 
 
 def _kind(annotation):
@@ -18,33 +25,78 @@ def _kind(annotation):
     return args[0] if args else annotation
 
 
-def _flag(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+def _at_least(kind: type, least) -> Callable[[str], typing.Any]:
+    def parse(text: str):
+        value = kind(text)  # a ValueError here is reported by argparse as "invalid value"
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text} is below {least}, the least allowed")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def _flag(parser: argparse.ArgumentParser, field: dataclasses.Field, default) -> None:
     name = "--" + field.name.replace("_", "-")
+    meta = dict(field.metadata)
+    shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+    shown = "none" if shown in ("", None) else shown
+    options = {"help": meta.get("help", ""), "default": default}
+    if field.name == "compressors":
+        meta["choices"] = sidco.COMPRESSORS
+    if "choices" in meta:
+        options["choices"] = meta["choices"]
+        if len(meta["choices"]) > 4:  # a long list reads better in the help than in the usage
+            options["metavar"] = "NAME"
+            options["help"] += f"; any of {', '.join(meta['choices'])}"
+    options["help"] += f" (default: {shown})"
+    kind = _kind(field.type)
     if field.type is bool:
-        parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None)
-    elif typing.get_origin(field.type) is tuple:
-        parser.add_argument(name, nargs="+", type=_kind(field.type), default=None)
-    else:
-        parser.add_argument(name, type=_kind(field.type), default=None)
+        parser.add_argument(name, action=argparse.BooleanOptionalAction, **options)
+        return
+    options["type"] = _at_least(kind, meta["min"]) if "min" in meta else kind
+    if typing.get_origin(field.type) is tuple:
+        options["nargs"] = "+" if field.name == "compressors" else "*"
+    parser.add_argument(name, **options)
 
 
-def parse(configs: str, argv=None, description: str = ""):
+def parse(
+    configs: str,
+    argv: list[str] | None = None,
+    description: str = "",
+    check: Callable[[typing.Any], str | None] | None = None,
+):
     """Returns ``(config, workdir)`` from the command line.
 
     Args:
       configs: package of the config modules (each with ``get_config()``).
       argv: arguments (default ``sys.argv[1:]``).
-      description: the ``--help`` text.
+      description: the ``--help`` text, printed as written.
+      check: ``check(config)`` returns an error message for a combination of
+        flags that is not allowed, or None.
     """
+    names = sorted(m.name for m in pkgutil.iter_modules(importlib.import_module(configs).__path__))
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default="default")
     known, _ = pre.parse_known_args(argv)
-    config = importlib.import_module(f"{configs}.{known.config}").get_config()
+    # An unknown name falls back to the default here; the full parser below rejects it.
+    name = known.config if known.config in names else "default"
+    config = importlib.import_module(f"{configs}.{name}").get_config()
 
-    parser = argparse.ArgumentParser(description=description, parents=[pre])
-    parser.add_argument("--workdir", default=None, help="where results and plots go")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {configs.rsplit('.', 1)[0]}.main",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default="default",
+        choices=names,
+        help="the configuration to start from (default: default)",
+    )
+    parser.add_argument("--workdir", help="where results and plots go (default: runs/<example>)")
     for field in dataclasses.fields(config):
-        _flag(parser, field)
+        _flag(parser, field, getattr(config, field.name))
     args = parser.parse_args(argv)
     changes = {
         f.name: tuple(v) if isinstance(v, list) else v
@@ -52,10 +104,15 @@ def parse(configs: str, argv=None, description: str = ""):
         if (v := getattr(args, f.name)) is not None
     }
     config = dataclasses.replace(config, **changes)
-    if "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            count = f"--xla_force_host_platform_device_count={config.devices}"
-            os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+    if check is not None and (message := check(config)):
+        parser.error(message)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        count = f"--xla_force_host_platform_device_count={config.devices}"
+        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+    import jax  # only now: XLA_FLAGS is read when the backends start
+
+    if config.devices > jax.device_count():
+        parser.error(f"--devices {config.devices}: only {jax.device_count()} devices are here")
     workdir = args.workdir or os.path.join("runs", configs.split(".")[1])
     return config, workdir

@@ -1,20 +1,34 @@
-"""Options both trainers share; imports nothing heavy, so the CLI can read it before JAX starts."""
+"""Options both trainers share; imports nothing heavy, so the CLI can read it before JAX starts.
+
+Every field carries its ``--help`` text in its metadata (``help``), and
+optionally ``choices`` or ``min`` (the least value an integer flag accepts);
+:mod:`examples.common.cli` turns each field into one flag.
+"""
 
 import dataclasses
+
+
+def option(default, help: str, **checks):
+    """A config field with its ``--help`` text and checks (``choices=``, ``min=``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **checks})
 
 
 @dataclasses.dataclass
 class Config:
     """Options both trainers share (each trainer's ``configs/`` adds its own)."""
 
-    compressors: tuple[str, ...] = ("sidco-e", "dense")
-    ratio: float = 0.01
-    devices: int = 8
-    steps: int = 300
-    batch_per_device: int = 16
-    learning_rate: float = 0.05
-    momentum: float = 0.9
-    eval_every: int = 50
-    seed: int = 0
-    capture_steps: tuple[int, ...] = ()
-    progress: bool = True
+    compressors: tuple[str, ...] = option(
+        ("sidco-e", "dense"), "compressors to train with, one run each (same batches and seed)"
+    )
+    ratio: float = option(0.01, "target density: the fraction of gradient entries sent")
+    devices: int = option(8, "data-parallel devices (forces that many CPU devices)", min=1)
+    steps: int = option(300, "training steps per compressor", min=1)
+    batch_per_device: int = option(16, "examples per device per step", min=1)
+    learning_rate: float = option(0.05, "SGD learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    eval_every: int = option(50, "evaluate every this many steps (and at the last)", min=1)
+    seed: int = option(0, "seed of the parameters and of the batches")
+    capture_steps: tuple[int, ...] = option(
+        (), "save device 0's whole-model gradient at these steps (gradients_<compressor>.npz)"
+    )
+    progress: bool = option(True, "show a progress bar")

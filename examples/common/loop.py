@@ -1,13 +1,14 @@
 """The training loop both example trainers share: one run per compressor, same data and seed.
 
 A :class:`Task` says what is trained (parameters, loss, batches, evaluation);
-:func:`train` runs it under every compressor of the config with a progress bar
-(loss, achieved/target density, throughput), records the history, optionally
-captures whole-model gradients, and :mod:`examples.common.report` turns the
-histories into a table and plots.
+:func:`fit` runs a trainer's data-parallel step on it with a progress bar
+(``loss``; ``density``, the fraction of gradient entries sent; ``examples/s``,
+training throughput), records the history and optionally captures whole-model gradients;
+:mod:`examples.common.report` turns the histories into a table and plots.
 """
 
 import dataclasses
+import importlib
 import json
 import pathlib
 import time
@@ -16,7 +17,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
 import sidco_jax as sidco
@@ -33,6 +33,7 @@ class Task(NamedTuple):
       sample: ``sample(rng, size) -> batch`` of ``size`` examples (NumPy).
       evaluate: ``evaluate(params) -> float`` on held-out data.
       metric: name of what ``evaluate`` returns (``"accuracy"``, ``"perplexity"``).
+      held_out: the data ``evaluate`` reads (``"test"``, ``"validation"``).
     """
 
     init: Callable
@@ -40,6 +41,7 @@ class Task(NamedTuple):
     sample: Callable
     evaluate: Callable
     metric: str
+    held_out: str = "test"
 
 
 @dataclasses.dataclass
@@ -57,34 +59,52 @@ class History:
     parameters: int = 0
 
 
-def run_one(config: Config, task: Task, name: str, workdir: pathlib.Path) -> History:
-    """Trains ``task`` with compressor ``name``; returns its history."""
-    tx = optax.chain(
-        parallel.compressor(name, config.ratio),
-        optax.sgd(config.learning_rate, momentum=config.momentum),
-    )
-    params = task.init(config.seed)
+def fit(
+    config: Config,
+    task: Task,
+    name: str,
+    train_step: Callable,
+    params,
+    opt_state,
+    mesh: jax.sharding.Mesh,
+    workdir: pathlib.Path,
+) -> History:
+    """Runs ``train_step`` for ``config.steps`` steps; returns the history of compressor ``name``.
+
+    Args:
+      config: the options.
+      task: what is trained.
+      name: the compressor's name (``"dense"`` has no target density).
+      train_step: ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``.
+      params: the initial (replicated, global) parameters.
+      opt_state: the initial optimizer state.
+      mesh: the mesh the batches are split over (axis :data:`parallel.AXIS`).
+      workdir: where captured gradients go.
+    """
     global_batch = config.batch_per_device * config.devices
     data = np.random.default_rng(config.seed)  # the same batches for every compressor
-    trainer = parallel.build(task.loss, params, task.sample(data, global_batch), tx, config.devices)
-    params = parallel.place(trainer.mesh, params, parallel.P())
-    opt_state = trainer.opt_state
-    history = History(name, bytes_per_step=trainer.bytes_per_step)
+
+    def next_batch():
+        host = task.sample(data, global_batch)
+        return host, sidco.place(host, mesh, jax.P(parallel.AXIS))
+
+    # One compilation, used for every step; its HLO says what a step sends. (The batch it
+    # is compiled with is drawn and not trained on, as in every run so far.)
+    train_step, sent = parallel.compile_step(train_step, params, opt_state, next_batch()[1])
+    history = History(name, bytes_per_step=sent)
     history.parameters = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     captured = {}
     bar = tqdm(range(1, config.steps + 1), desc=name, disable=not config.progress, leave=False)
     start = time.perf_counter()
     for t in bar:
-        batch = task.sample(data, global_batch)
+        host, batch = next_batch()
         if t in config.capture_steps:
-            local = jax.tree.map(lambda x: x[: config.batch_per_device], batch)
+            local = jax.tree.map(lambda x: x[: config.batch_per_device], host)
             grad = parallel.flat_gradient(task.loss, _host(params), local)
             residual = parallel.first_residual(opt_state)
             captured[f"grad_step{t}"] = grad
             captured[f"u_step{t}"] = grad if residual is None else grad + residual
-        params, opt_state, loss = trainer.step(
-            params, opt_state, parallel.place(trainer.mesh, batch, parallel.P(parallel.AXIS))
-        )
+        params, opt_state, loss = train_step(params, opt_state, batch)
         metrics = sidco.metrics(opt_state)
         history.steps.append(t)
         history.loss.append(float(parallel.replicated_value(loss)))
@@ -96,10 +116,13 @@ def run_one(config: Config, task: Task, name: str, workdir: pathlib.Path) -> His
         if t % 10 == 0 or t == config.steps:
             rate = t * global_batch / (time.perf_counter() - start)
             bar.set_postfix(
-                loss=f"{history.loss[-1]:.3f}", density=f"{density:.4f}", ex_s=f"{rate:.0f}"
+                loss=f"{history.loss[-1]:.3f}",
+                density=f"{density:.4f}",
+                **{"examples/s": f"{rate:.0f}"},
             )
     history.seconds_per_step = (time.perf_counter() - start) / config.steps
     if captured:
+        workdir.mkdir(parents=True, exist_ok=True)
         np.savez(workdir / f"gradients_{name}.npz", **captured)
     return history
 
@@ -108,12 +131,15 @@ def _host(params) -> Any:
     return jax.tree.map(parallel.replicated_value, params)
 
 
-def train(config: Config, task: Task, workdir: str | pathlib.Path) -> list[History]:
-    """Runs every compressor of ``config`` on ``task``; writes ``results.json`` to ``workdir``."""
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    histories = [run_one(config, task, name, workdir) for name in config.compressors]
-    record = {"config": dataclasses.asdict(config), "metric": task.metric}
+def save(config: Config, metric: str, histories: list[History], workdir: pathlib.Path) -> None:
+    """Writes ``results.json``: the config, the metric's name and every history."""
+    record = {"config": dataclasses.asdict(config), "metric": metric}
     record["runs"] = [dataclasses.asdict(h) for h in histories]
     (workdir / "results.json").write_text(json.dumps(record, indent=1))
-    return histories
+
+
+def example(job: str) -> tuple[Task, Config]:
+    """``(task, config)`` of an example job such as ``"lm:large"`` (``<example>:<config>``)."""
+    model, name = job.split(":")
+    config = importlib.import_module(f"examples.{model}.configs.{name}").get_config()
+    return importlib.import_module(f"examples.{model}.train").create_task(config), config

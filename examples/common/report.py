@@ -1,18 +1,28 @@
-"""Summary table and PNG plots of the runs of :func:`examples.common.loop.train`."""
+"""Results of the runs of :func:`examples.common.loop.fit`: JSON, a summary table and plots."""
 
 import pathlib
 
 import numpy as np
 
-from examples.common.loop import History
+from examples.common import loop
+
+SMOOTHING = 10  # steps in the moving average of the loss and density plots
+
+LEGEND = """\
+- {held_out} {metric}: at the last step, on the held-out {held_out} data
+- final loss: mean training loss over the last 10% of the steps
+- sent/target (median): entries sent over the target ratio, median over the steps (1.00: on target)
+- bytes/step/device: what one device sends per step, read from the compiled step's collectives
+- / dense: those bytes over dense's
+- s/step: wall-clock seconds per step, evaluation included, compilation excluded"""
 
 
-def table(histories: list[History], metric: str, ratio: float) -> str:
+def table(histories: list[loop.History], metric: str, ratio: float, held_out: str = "test") -> str:
     """A Markdown table: final metric, loss, density, bytes and time per step of every run."""
     dense = next((h for h in histories if h.compressor == "dense"), None)
     lines = [
-        f"| compressor | test {metric} | final loss | sent/target (median) | bytes/step/device "
-        "| / dense | s/step |",
+        f"| compressor | {held_out} {metric} | final loss | sent/target (median) "
+        "| bytes/step/device | / dense | s/step |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for h in histories:
@@ -23,11 +33,14 @@ def table(histories: list[History], metric: str, ratio: float) -> str:
             f"| {h.compressor} | {h.evals[-1]:.4f} | {np.mean(tail):.4f} | {achieved} "
             f"| {h.bytes_per_step:,} | {versus} | {h.seconds_per_step:.3f} |"
         )
-    lines.append(f"\nratio {ratio}; {histories[0].parameters:,} parameters")
+    lines.append(f"\nratio {ratio}; {histories[0].parameters:,} parameters\n")
+    lines.append(LEGEND.format(held_out=held_out, metric=metric))
     return "\n".join(lines)
 
 
-def plots(histories: list[History], metric: str, workdir: str | pathlib.Path) -> list[pathlib.Path]:
+def plots(
+    histories: list[loop.History], metric: str, workdir: str | pathlib.Path, held_out: str = "test"
+) -> list[pathlib.Path]:
     """Writes ``loss.png``, ``<metric>.png`` and ``density.png``; returns their paths."""
     import matplotlib
 
@@ -35,18 +48,32 @@ def plots(histories: list[History], metric: str, workdir: str | pathlib.Path) ->
     import matplotlib.pyplot as plt
 
     workdir = pathlib.Path(workdir)
+    average = f"{SMOOTHING}-step moving average"
     panels = {
-        "loss": ("training loss", lambda h: (h.steps, _smooth(h.loss))),
-        metric: (f"test {metric}", lambda h: (h.eval_steps, h.evals)),
-        "density": ("sent / target density", lambda h: (h.steps, _smooth(h.achieved))),
+        "loss": (
+            "training loss",
+            f"Training loss ({average})",
+            lambda h: (h.steps, smooth(h.loss)),
+        ),
+        metric: (
+            f"{held_out} {metric}",
+            f"{held_out.capitalize()} {metric}",
+            lambda h: (h.eval_steps, h.evals),
+        ),
+        "density": (
+            "sent / target density",
+            f"Entries sent over the target ratio ({average})",
+            lambda h: (h.steps, smooth(h.achieved)),
+        ),
     }
     paths = []
-    for name, (label, series) in panels.items():
+    for name, (label, title, series) in panels.items():
         fig, ax = plt.subplots(figsize=(6, 4))
         for h in histories:
             if name == "density" and h.compressor == "dense":
                 continue
-            ax.plot(*series(h), label=h.compressor)
+            line(ax, *series(h), label=h.compressor)
+        ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         if name == "density":
@@ -61,9 +88,36 @@ def plots(histories: list[History], metric: str, workdir: str | pathlib.Path) ->
     return paths
 
 
-def _smooth(values: list[float], window: int = 10) -> np.ndarray:
+def line(ax, x, y, label: str):
+    """Plots one series on ``ax``; one point gets a marker (a line through it is invisible)."""
+    return ax.plot(x, y, label=label, marker="o" if len(x) == 1 else None)[0]
+
+
+def smooth(values, window: int = SMOOTHING) -> np.ndarray:
+    """Centred moving average whose window shrinks at the ends (no padding, no invented values).
+
+    Examples:
+      >>> smooth([2.0, 2.0, 2.0, 2.0], window=3)
+      array([2., 2., 2., 2.])
+      >>> smooth([0.0, 3.0, 6.0, 9.0], window=3)
+      array([1.5, 3. , 6. , 7.5])
+    """
     values = np.asarray(values, float)
-    if len(values) < window:
-        return values
-    kernel = np.ones(window) / window
-    return np.convolve(values, kernel, mode="same")
+    first = np.arange(len(values)) - window // 2  # window i covers [first, first + window)
+    return np.array([values[max(f, 0) : f + window].mean() for f in first]).reshape(-1)
+
+
+def write(config, task: loop.Task, histories: list[loop.History], workdir) -> None:
+    """Writes ``results.json``, ``summary.md`` and the plots to ``workdir``; prints the summary.
+
+    The last line printed says where the files are.
+    """
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    loop.save(config, task.metric, histories, workdir)
+    summary = table(histories, task.metric, config.ratio, task.held_out)
+    (workdir / "summary.md").write_text(summary + "\n")
+    images = plots(histories, task.metric, workdir, task.held_out)
+    print(summary)
+    names = ", ".join(["results.json", "summary.md", *(p.name for p in images)])
+    print(f"\nwrote {names} to {workdir.resolve()}")

@@ -39,8 +39,19 @@ _UNFINISHED = ".orbax-checkpoint-tmp"
 _LAYOUT = ("_METADATA", "manifest.ocdbt", "d")
 
 
+def _orbax():
+    """``orbax.checkpoint``, imported only here: it is slow to import and an optional extra."""
+    try:
+        import orbax.checkpoint as ocp
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "sidco_jax.save and sidco_jax.restore need orbax: pip install 'sidco_jax[checkpoint]'"
+        ) from error
+    return ocp
+
+
 def _checkpointer():
-    import orbax.checkpoint as ocp  # slow to import: only here
+    ocp = _orbax()
 
     # The synchronous checkpointer creates the directory before any writer starts.
     # The asynchronous one starts writers that wait for the directory: when its
@@ -74,7 +85,8 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     Every process of a multi-process run must call it with the same path. It
     returns once the checkpoint is complete; when it fails, nothing it started
-    is left running.
+    is left running. Needs orbax, the ``checkpoint`` extra
+    (``pip install 'sidco_jax[checkpoint]'``).
 
     Args:
       path: a directory that does not exist yet; missing parents are created.
@@ -86,7 +98,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
       PermissionError: if the nearest existing ancestor of ``path`` is not
         writable.
     """
-    import orbax.checkpoint as ocp  # slow to import: only here
+    ocp = _orbax()
 
     path = os.path.abspath(path)
     _check_destination(path)
@@ -167,7 +179,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
       RatioWarning: when a compressor state of ``target`` holding values has
         another ratio than the saved one.
     """
-    import orbax.checkpoint as ocp  # slow to import: only here
+    ocp = _orbax()
     from etils import epath  # orbax's own path type, installed with it
 
     path = os.path.abspath(path)

@@ -2,14 +2,15 @@
 
 import dataclasses
 
-from examples.common.config import Config
+from examples.cnn.input_pipeline import DATASETS
+from examples.common.config import Config, option
 
 
 @dataclasses.dataclass
 class CNNConfig(Config):
-    dataset: str = "digits"
-    data_dir: str | None = None
-    widths: tuple[int, ...] = (32, 64)
+    dataset: str = option("digits", "images to classify", choices=DATASETS)
+    data_dir: str | None = option(None, "directory of the mnist or cifar10 files")
+    widths: tuple[int, ...] = option((32, 64), "channels of each stage of residual blocks", min=1)
 
 
 def get_config() -> CNNConfig:

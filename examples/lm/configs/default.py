@@ -2,18 +2,20 @@
 
 import dataclasses
 
-from examples.common.config import Config
+from examples.common.config import Config, option
 
 
 @dataclasses.dataclass
 class LMConfig(Config):
-    text: str = "bundled"  # or the path of a UTF-8 text file
-    text_limit: int | None = None
-    sequence: int = 64
-    embed: int = 64
-    hidden: int = 256
-    layers: int = 1
-    eval_windows: int = 256
+    text: str = option("bundled", "the bundled English text, or the path of a UTF-8 text file")
+    text_limit: int | None = option(None, "use only the first this many characters", min=1000)
+    sequence: int = option(64, "characters per training window", min=1)
+    embed: int = option(64, "character embedding size", min=1)
+    hidden: int = option(256, "LSTM hidden size", min=1)
+    layers: int = option(1, "LSTM layers", min=1)
+    eval_windows: int = option(
+        256, "validation windows (evenly spaced over the held-out text)", min=1
+    )
 
 
 def get_config() -> LMConfig:

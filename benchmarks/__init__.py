@@ -1,0 +1,1 @@
+"""Reproducible measurements; run each as ``python -m benchmarks.<name>`` from the root."""

@@ -1,0 +1,26 @@
+"""The LM example: a tiny end-to-end run on a text file, reporting validation perplexity."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from examples.lm import main
+
+ENGLISH = pathlib.Path(__file__).parents[2] / "docs" / "algorithm.md"  # real English prose
+
+
+@pytest.mark.slow
+def test_tiny_config_trains_on_a_text_file_and_reports_validation_perplexity(tmp_path):
+    histories = main.main(["--config", "tiny", "--workdir", str(tmp_path), "--text", str(ENGLISH)])
+    vocab = len(set(ENGLISH.read_text(encoding="utf-8")[:20_000]))
+    for h in histories:
+        assert h.eval_steps == [3]
+        assert 1.0 < h.evals[0] < 2 * vocab  # near-uniform at the start: about the vocabulary size
+    assert histories[0].bytes_per_step < histories[1].bytes_per_step / 5
+    assert json.loads((tmp_path / "results.json").read_text())["metric"] == "perplexity"
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| validation perplexity |" in summary and "test" not in summary.split("\n")[0]
+    assert (tmp_path / "perplexity.png").is_file()
+    assert np.load(tmp_path / "gradients_sidco-e.npz")["grad_step2"].size == histories[0].parameters
