@@ -1,9 +1,13 @@
 """End-to-end step time of every compressor over a real, rate-limited network.
 
-Two JAX processes (``jax.distributed``, gloo CPU collectives), one CPU device
-and one core each, train an example model data-parallel across a veth link
-between two network namespaces (:mod:`virtual_link`), rate-limited with ``tc``.
-Needs root and iproute2; without them it says so and exits cleanly.
+Two JAX processes (``jax.distributed``, gloo CPU collectives), one core and
+``--local-devices`` CPU devices each (default 1), train an example model
+data-parallel across a veth link between two network namespaces
+(:mod:`virtual_link`), rate-limited with ``tc``. Needs root and iproute2;
+without them it says so and exits cleanly. ``--hierarchical c`` adds run
+``c/hier``: compressor ``c`` with ``inner_axis``, dense over each process's
+devices and compressed across the link (one node per process). Its HLO bytes
+include that in-process all-reduce, which never reaches the wire.
 
 For every bandwidth, model and compressor it reports the step time and its
 split (compute: forward and backward on the local batch; compression: the
@@ -67,13 +71,21 @@ PORT = 4800  # free: the namespaces are new and hold nothing else
 PARTS = ("step", "compute", "compression", "communication")
 
 
-def compressor(name: str, ratio: float, axis_name: str | None):
-    """The compressor ``name`` averaging over ``axis_name`` (None: one device, no collective).
+HIERARCHICAL = "/hier"  # a run label's suffix: dense inside each process, compressed across
 
+
+def compressor(label: str, ratio: float, axis_name: str | None):
+    """The compressor of run ``label`` averaging over ``axis_name`` (None: no collective).
+
+    ``name/hier`` is compressor ``name`` on the ``("node", "local")`` mesh: dense
+    over each process's own devices, compressed across the processes (the link).
     The one place this benchmark gets compressors from.
     """
     import sidco_jax as sidco
 
+    name = label.removesuffix(HIERARCHICAL)
+    if label.endswith(HIERARCHICAL) and axis_name is not None:
+        return sidco.compressor(name, ratio, axis_name="node", inner_axis="local")
     return sidco.compressor(name, ratio, axis_name=axis_name)
 
 
@@ -142,15 +154,23 @@ def _setup(task, config, name: str, ratio: float, batches: int):
     import sidco_jax as sidco
     from examples.common import parallel
 
+    devices = jax.device_count()  # every process's
     data = np.random.default_rng(config.seed)
-    host = [task.sample(data, 2 * config.batch_per_device) for _ in range(batches)]
-    mesh = parallel.mesh(2)
+    host = [task.sample(data, devices * config.batch_per_device) for _ in range(batches)]
+    if name.endswith(HIERARCHICAL):  # one "node" per process
+        mesh = jax.make_mesh((2, devices // 2), ("node", "local"))
+        if any(len({d.process_index for d in row}) > 1 for row in mesh.devices):
+            raise RuntimeError(f"a node of the mesh spans processes: {mesh.devices}")
+        data_axes, state_axis = ("node", "local"), "node"
+    else:
+        mesh = parallel.mesh(devices)
+        data_axes = state_axis = parallel.AXIS
     params = sidco.place(task.init(config.seed), mesh)
-    placed = [sidco.place(b, mesh, jax.P(parallel.AXIS)) for b in host]
+    placed = [sidco.place(b, mesh, jax.P(data_axes)) for b in host]
     tx = _optimizer(name, ratio, config, parallel.AXIS)
-    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+    opt_state = sidco.shard_init(tx, params, mesh, state_axis)
     step = sidco.data_parallel_step(
-        task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
+        task.loss, tx, opt_state, mesh, data_axes, state_axis=state_axis, donate_state=True
     )
     step, sent = parallel.compile_step(step, params, opt_state, placed[0])
     trainer = types.SimpleNamespace(step=step, opt_state=opt_state, bytes_per_step=sent)
@@ -262,7 +282,12 @@ def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
         for i, (run, got) in enumerate(zip(runs, samples, strict=True))
     ]
     parameters = sum(int(x.size) for x in jax.tree.leaves(local_params))
-    return {"rows": rows, "order": executed, "parameters": parameters}
+    return {
+        "rows": rows,
+        "order": executed,
+        "parameters": parameters,
+        "local_devices": jax.local_device_count(),
+    }
 
 
 def _train(task, config, name: str, ratio: float, steps: int) -> dict:
@@ -285,7 +310,7 @@ def _train(task, config, name: str, ratio: float, steps: int) -> dict:
 def run_job(link: VirtualLink, spec: dict, timeout: float, workdir: pathlib.Path) -> list[dict]:
     """Runs both processes of one job on ``link``; returns their results (process 0 first)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['local_devices']}"
     cores = os.cpu_count() or 1
     processes, logs = [], []
     for side in (0, 1):
@@ -330,6 +355,7 @@ def merge(bandwidth: str, job: str, results: list[dict]) -> tuple[list[dict], li
     rows = []
     for first, second in zip(results[0]["rows"], results[1]["rows"], strict=True):
         row = dict(first, bandwidth=bandwidth, job=job, parameters=results[0]["parameters"])
+        row["local_devices"] = results[0]["local_devices"]
         row["wire_bytes"] = (first["wire_bytes"] + second["wire_bytes"]) / 2
         rows.append(summarize(row))
     traces = [dict(t, bandwidth=bandwidth, job=job) for t in results[0]["traces"]]
@@ -481,7 +507,8 @@ def tables(rows: list[dict], fits: list[dict], targets: list[dict]) -> str:
         mine = [r for r in rows if r["job"] == job]
         first = mine[0]
         lines += [
-            f"\n{job} ({first['parameters']:,} parameters), 2 processes x 1 CPU device;"
+            f"\n{job} ({first['parameters']:,} parameters), 2 processes x "
+            f"{first['local_devices']} CPU device{'s' * (first['local_devices'] != 1)};"
             f" {first['rounds']} round{'s' * (first['rounds'] != 1)} x {first['steps']} steps"
             " per compressor, interleaved."
             " Times in ms: median (p25-p75); per round: the step's median in each round;"
@@ -599,6 +626,20 @@ def main(argv=None) -> int:
         "--compressors", nargs="+", default=list(COMPRESSORS), help="compressors to time"
     )
     parser.add_argument(
+        "--local-devices",
+        type=_at_least_one,
+        default=1,
+        help="forced CPU devices per process (all on its one core)",
+    )
+    parser.add_argument(
+        "--hierarchical",
+        nargs="*",
+        default=[],
+        metavar="COMPRESSOR",
+        help="also run these hierarchically (name/hier): dense over each process's devices, "
+        "compressed across the link; needs --local-devices 2 or more",
+    )
+    parser.add_argument(
         "--ratios",
         nargs="+",
         type=float,
@@ -650,8 +691,11 @@ def main(argv=None) -> int:
     if reason:
         print(f"network benchmark skipped: {reason}")
         return 0
+    if args.hierarchical and args.local_devices < 2:
+        parser.error("--hierarchical needs --local-devices 2 or more")
     runs = [("dense", args.ratios[0])] if "dense" in args.compressors else []
     runs += [(c, r) for r in args.ratios for c in args.compressors if c != "dense"]
+    runs += [(c + HIERARCHICAL, r) for r in args.ratios for c in args.hierarchical]
     rows, traces, orders = [], [], []
     with VirtualLink() as link, tempfile.TemporaryDirectory() as scratch:
         cache = pathlib.Path(scratch) / "cache"
@@ -664,6 +708,7 @@ def main(argv=None) -> int:
                     "runs": runs,
                     "rounds": args.rounds,
                     "steps": args.steps,
+                    "local_devices": args.local_devices,
                     "cache": str(cache),
                     "coordinator": link.addresses[0],
                     "target_compressors": args.target_compressors if targets else [],

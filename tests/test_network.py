@@ -100,6 +100,7 @@ def _row(compressor: str, step_ms: list[list[float]], compute=1.0, alone=2.0) ->
         "compressor": compressor,
         "ratio": 0.01,
         "parameters": 10,
+        "local_devices": 1,
         "wire_bytes": 1.0,
         "hlo_bytes": 1,
         "samples_s": {
@@ -109,6 +110,13 @@ def _row(compressor: str, step_ms: list[list[float]], compute=1.0, alone=2.0) ->
         },
     }
     return network.summarize(row)
+
+
+def test_hierarchical_runs_need_several_devices_per_process(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        network.main(["--hierarchical", "sidco-e"])
+    assert exit_.value.code == 2
+    assert "--hierarchical needs --local-devices 2 or more" in capsys.readouterr().err
 
 
 def test_parts_are_medians_of_paired_steps_with_their_quartiles():
