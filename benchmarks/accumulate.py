@@ -5,7 +5,7 @@ on a flat gradient of ``--size`` entries, timed over the micro-steps only (the
 first ``every_k - 1`` of each optimizer step), and the collectives of each
 compiled step read from its HLO::
 
-    python benchmarks/accumulate.py --size 362000 --every-k 4 --repeats 20
+    python -m benchmarks.accumulate --size 362000 --every-k 4 --repeats 20
 """
 
 import argparse

@@ -7,18 +7,16 @@ density, the fraction of steps sending at least half the target, the mean
 sent/target of the first steps after any warm-up, and the final accuracy or
 perplexity. A label is a registry name with options after a colon::
 
-    python benchmarks/fill.py --trainer lm --ratio 0.001 --steps 300 \\
+    python -m benchmarks.fill --trainer lm --ratio 0.001 --steps 300 \\
         sidco-e:adaptation=paper sidco-e:adaptation=fill sidco-e:warmup_steps=50 topk dense
 """
 
 import argparse
 import ast
 import dataclasses
-import importlib
 import json
 import os
 import pathlib
-import sys
 import tempfile
 
 
@@ -46,22 +44,17 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
 
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     import numpy as np
+    import optax
 
     import sidco_jax as sidco
     from examples.common import loop, parallel
 
-    configs = importlib.import_module(f"examples.{args.trainer}.configs.default")
-    trainer = importlib.import_module(f"examples.{args.trainer}.train")
+    task, config = loop.example(f"{args.trainer}:default")
     config = dataclasses.replace(
-        configs.get_config(),
-        ratio=args.ratio,
-        steps=args.steps,
-        progress=False,
-        eval_every=args.steps,
+        config, ratio=args.ratio, steps=args.steps, progress=False, eval_every=args.steps
     )
-    task = trainer.task(config)
+    mesh = parallel.mesh(config.devices)
 
     rows = []
     print(f"\n{args.trainer}, ratio {args.ratio}, {args.steps} steps\n")
@@ -69,11 +62,19 @@ def main(argv=None) -> list[dict]:
     print("|---|---:|---:|---:|---:|---:|")
     for label in args.labels:
         name, options = parse_label(label)
-        parallel.compressor = lambda n, r, axis_name=parallel.AXIS, o=options: sidco.compressor(
-            n, r, axis_name=axis_name, **o
+        tx = optax.chain(
+            sidco.compressor(name, config.ratio, axis_name=parallel.AXIS, **options),
+            optax.sgd(config.learning_rate, momentum=config.momentum),
+        )
+        params = sidco.place(task.init(config.seed), mesh)
+        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+        step = sidco.data_parallel_step(
+            task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
         )
         with tempfile.TemporaryDirectory() as workdir:
-            history = loop.run_one(config, task, name, pathlib.Path(workdir))
+            history = loop.fit(
+                config, task, name, step, params, opt_state, mesh, pathlib.Path(workdir)
+            )
         achieved = np.asarray(history.achieved)
         tail = achieved[args.skip :]
         start = options.get("warmup_steps", 0)

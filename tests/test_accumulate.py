@@ -23,8 +23,8 @@ def _local(stream, device=0):
     return [jax.tree.map(lambda g: g[device], grads) for grads in stream]
 
 
-@pytest.mark.parametrize("name", ["sidco-e", "sidco-p", "topk", "dgc", "randomk"])
-@pytest.mark.parametrize("every_k", [1, 3, 4])
+@pytest.mark.parametrize("name", ["sidco-e", "topk", "dgc", "randomk"])
+@pytest.mark.parametrize("every_k", [1, 3])
 def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
     chain = optax.chain(sidco.compressor(name, 0.05), optax.sgd(0.1, momentum=0.9))
     ours, theirs = sidco.accumulate(chain, every_k), optax.MultiSteps(chain, every_k)
