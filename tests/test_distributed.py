@@ -113,10 +113,14 @@ def test_eight_devices_with_identical_gradients_equal_one_device(rng, name):
     )
 
 
-@pytest.mark.parametrize("name", COMPRESSORS)
-def test_pmap_and_shard_map_agree(rng, name):
+@pytest.mark.parametrize(
+    ("name", "communication"),
+    [(name, "auto") for name in COMPRESSORS] + [("sidco-e", "sparse_allreduce")],
+)
+def test_pmap_and_shard_map_agree(rng, name, communication):
     stream = gradient_stream(rng, 8)
-    tx = COMPRESSORS[name](axis_name=AXIS)
+    options = {} if communication == "auto" else {"communication": communication}
+    tx = COMPRESSORS[name](axis_name=AXIS, **options)
     want, want_states, _ = run_shard_map(tx, stream)
     stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES, *jnp.shape(x))), params_tree())
     state = jax.pmap(tx.init, axis_name=AXIS)(stacked)

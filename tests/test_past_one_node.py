@@ -70,24 +70,6 @@ def test_sparse_allreduce_loses_nothing_and_replicas_agree(rng, name, devices):
     assert 0 < nonzero < devices * sidco.capacity(n, 0.02)
 
 
-def test_sparse_allreduce_under_pmap_equals_shard_map(rng):
-    stream = gradient_stream(rng, 5)
-    tx = sidco.compress(0.02, axis_name=AXIS, communication="sparse_allreduce")
-    want, want_states, _ = run_shard_map(tx, stream)
-    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES, *x.shape)), params_tree())
-    state = jax.pmap(tx.init, axis_name=AXIS)(stacked)
-    update = jax.pmap(tx.update, axis_name=AXIS)
-    for grads, w in zip(stream, want, strict=True):
-        got, state = update(grads, state)
-        for d in range(DEVICES):
-            assert_trees_equal(jax.tree.map(lambda x, d=d: x[d], got), w)
-    for d in range(DEVICES):
-        assert_trees_equal(
-            jax.tree.map(lambda r, d=d: r[d], state.residual),
-            device_residual(want_states[-1].residual, d),
-        )
-
-
 def test_entries_beyond_an_owners_slots_stay_with_the_sender(rng):
     # Every device selects from the first region only: 2 x the even share fits, the rest waits.
     n, devices, ratio = 1024, 4, 0.125

@@ -34,7 +34,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.base import k_of as _k
 from sidco_jax._src.costs import Link
-from sidco_jax._src.loop import everything, sparsifier
+from sidco_jax._src.loop import dense_mean, sparsifier
 
 
 def topk(
@@ -446,11 +446,4 @@ def dense(
       :class:`~sidco_jax.CompressState`, so :func:`sidco_jax.metrics` and
       :func:`sidco_jax.state_specs` work for it too.
     """
-    return sparsifier(
-        Rule(empty_init, everything),
-        ratio=1.0,
-        error_feedback=False,
-        axis_name=axis_name,
-        communication="dense",
-        inner_axis=inner_axis,
-    )
+    return dense_mean(axis_name, inner_axis)

@@ -547,6 +547,18 @@ def sparsifier(
     )
 
 
+def dense_mean(axis_name: AxisName | None, inner_axis: AxisName | None = None):
+    """The loop with a rule that sends everything: the plain mean over the axes, no residual."""
+    return sparsifier(
+        Rule(empty_init, everything),
+        ratio=1.0,
+        error_feedback=False,
+        axis_name=axis_name,
+        communication="dense",
+        inner_axis=inner_axis,
+    )
+
+
 def _warm(update, warmup_steps, axis_name, inner_axis):
     """``update`` preceded by ``warmup_steps`` steps of :func:`sidco_jax.dense`.
 
@@ -555,14 +567,7 @@ def _warm(update, warmup_steps, axis_name, inner_axis):
     leaves the residual and the rule's state as they are and reports the
     dense bytes, at the compressor's target density.
     """
-    dense = sparsifier(
-        Rule(empty_init, everything),
-        ratio=1.0,
-        error_feedback=False,
-        axis_name=axis_name,
-        communication="dense",
-        inner_axis=inner_axis,
-    )
+    dense = dense_mean(axis_name, inner_axis)
 
     def warm_update(updates, state, params=None, **extra_args):
         def warm(_):
