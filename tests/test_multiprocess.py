@@ -64,7 +64,8 @@ def test_two_processes_of_four_devices_train_like_one_process_of_eight(tmp_path)
     results = launch(tmp_path / "out.npz")
     for code, output, _ in results:
         assert code == 0, output[-3000:]
-    got = np.load(tmp_path / "out.npz")
+    with np.load(tmp_path / "out.npz") as archive:
+        got = dict(archive)
     params, metrics = train_least_squares(30)  # this process: 8 devices
     np.testing.assert_array_equal(got["params"], params)
     for key, value in metrics.items():
@@ -77,7 +78,8 @@ def test_hierarchical_over_two_processes_equals_one_process_of_eight(tmp_path):
     results = launch(tmp_path / "out.npz", 2, 4, -1, 1)
     for code, output, _ in results:
         assert code == 0, output[-3000:]
-    got = np.load(tmp_path / "out.npz")
+    with np.load(tmp_path / "out.npz") as archive:
+        got = dict(archive)
     params, metrics = train_least_squares(30, hierarchical=True)  # this process: 2 x 4 devices
     # The dense inner mean adds 4 floats in the collective's own order (gloo's ring
     # across processes, XLA's loop in one): last-bit differences, compounded over 30

@@ -43,7 +43,8 @@ def test_tiny_config_trains_with_sidco_and_dense_and_writes_its_report(tmp_path,
     for name in ("loss", "accuracy", "density"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert capsys.readouterr().out.rstrip().endswith(f"density.png to {tmp_path.resolve()}")
-    captured = np.load(tmp_path / "gradients_sidco-e.npz")
+    with np.load(tmp_path / "gradients_sidco-e.npz") as archive:  # closed: no ResourceWarning
+        captured = dict(archive)
     assert sorted(captured) == ["grad_step1", "grad_step4", "u_step1", "u_step4"]
     assert captured["grad_step4"].shape == (sidco_run.parameters,)
     np.testing.assert_array_equal(captured["u_step1"], captured["grad_step1"])  # no residual yet

@@ -23,4 +23,5 @@ def test_tiny_config_trains_on_a_text_file_and_reports_validation_perplexity(tmp
     summary = (tmp_path / "summary.md").read_text()
     assert "| validation perplexity |" in summary and "test" not in summary.split("\n")[0]
     assert (tmp_path / "perplexity.png").is_file()
-    assert np.load(tmp_path / "gradients_sidco-e.npz")["grad_step2"].size == histories[0].parameters
+    with np.load(tmp_path / "gradients_sidco-e.npz") as captured:
+        assert captured["grad_step2"].size == histories[0].parameters
