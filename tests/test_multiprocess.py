@@ -26,11 +26,11 @@ def free_port() -> int:
 
 def launch(out, processes=2, local_devices=4, *extra):
     """Runs the worker in ``processes`` processes; returns their (exit code, output, seconds)."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
-        JAX_PLATFORMS="cpu",
-    )
+    # The suite's other XLA flags too (conftest.py): results compared bit for
+    # bit must come from the same generated code.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={local_devices}")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     port, start = free_port(), time.monotonic()
     args = [str(processes), str(port), str(out), *map(str, extra)]
     # Output goes to files, not pipes: a pipe nobody drains could block a worker.
