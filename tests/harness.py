@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -127,10 +128,6 @@ def copies(x: jax.Array) -> list[np.ndarray]:
     return [np.asarray(s.data) for s in x.addressable_shards]
 
 
-def assert_trees_equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-
-
 def train_least_squares(
     steps: int,
     ratio: float = 0.05,
@@ -192,3 +189,11 @@ def flat_residual(state) -> np.ndarray:
 def device_residual(residual, device: int, devices: int = DEVICES):
     """Device ``device``'s part of a global residual tree (each leaf split along axis 0)."""
     return jax.tree.map(lambda r: np.split(np.asarray(r), devices)[device], residual)
+
+
+def quick_first(values) -> list:
+    """``parametrize`` values whose first runs in the quick tier; the rest are marked slow.
+
+    ``pytest -m "not slow"`` then still checks each property once.
+    """
+    return [v if i == 0 else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]

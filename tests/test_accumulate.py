@@ -3,28 +3,25 @@
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import AXIS, gradient_stream, mesh_of, params_tree, run_shard_map
+from harness import AXIS, gradient_stream, mesh_of, params_tree, quick_first, run_shard_map
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 
 
-def _equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-
-
 def _local(stream, device=0):
     return [jax.tree.map(lambda g: g[device], grads) for grads in stream]
 
 
-@pytest.mark.parametrize("name", ["sidco-e", "topk", "dgc", "randomk"])
-@pytest.mark.parametrize("every_k", [1, 3])
+@pytest.mark.parametrize("name", quick_first(["sidco-e", "topk", "dgc", "randomk"]))
+@pytest.mark.parametrize("every_k", quick_first([3, 1]))
 def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
     chain = optax.chain(sidco.compressor(name, 0.05), optax.sgd(0.1, momentum=0.9))
     ours, theirs = sidco.accumulate(chain, every_k), optax.MultiSteps(chain, every_k)
@@ -34,9 +31,11 @@ def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
     for grads in _local(gradient_stream(rng, 3 * every_k + 1)):
         updates, state = step(grads, state, params)
         ref_updates, ref = ref_step(grads, ref, params)
-        _equal(updates, ref_updates)
-        _equal(state.inner, ref.inner_opt_state)  # residuals, stage counts, momentum
-        _equal(state.accumulator, ref.acc_grads)
+        chex.assert_trees_all_equal(updates, ref_updates)
+        chex.assert_trees_all_equal(
+            state.inner, ref.inner_opt_state
+        )  # residuals, stage counts, momentum
+        chex.assert_trees_all_equal(state.accumulator, ref.acc_grads)
         params = optax.apply_updates(params, updates)
     assert int(sidco.metrics(state)["step"]) == (3 * every_k + 1) // every_k
 
@@ -49,9 +48,9 @@ def test_under_shard_map_the_boundary_compresses_the_mean_of_each_devices_micro_
     means = [jax.tree.map(lambda a, b: (a + b) / 2, *stream[i : i + 2]) for i in (0, 2, 4)]
     ref_updates, ref_states, _ = run_shard_map(inner, means)
     for i in range(3):
-        _equal(updates[2 * i], jax.tree.map(jnp.zeros_like, ref_updates[i]))
-        _equal(updates[2 * i + 1], ref_updates[i])
-        _equal(states[2 * i + 1].inner, ref_states[i])
+        chex.assert_trees_all_equal(updates[2 * i], jax.tree.map(jnp.zeros_like, ref_updates[i]))
+        chex.assert_trees_all_equal(updates[2 * i + 1], ref_updates[i])
+        chex.assert_trees_all_equal(states[2 * i + 1].inner, ref_states[i])
     assert sidco.state_specs(states[0], AXIS).accumulator == {k: P(AXIS) for k in "bvw"}
 
 
@@ -117,12 +116,16 @@ def test_nothing_is_lost_through_accumulation(rng):
     for i in range(0, 6, 2):
         old = state.inner.residual
         zero, state = step(stream[i], state)
-        _equal(zero, jax.tree.map(jnp.zeros_like, zero))
-        _equal(state.inner.residual, old)  # a micro-step leaves the residual alone
+        chex.assert_trees_all_equal(zero, jax.tree.map(jnp.zeros_like, zero))
+        chex.assert_trees_all_equal(
+            state.inner.residual, old
+        )  # a micro-step leaves the residual alone
         sent, state = step(stream[i + 1], state)
         mean = jax.tree.map(lambda a, b: (a + b) / 2, stream[i], stream[i + 1])
         # sent + new residual == mean gradient + old residual, bit for bit.
-        _equal(jax.tree.map(np.add, sent, state.inner.residual), jax.tree.map(np.add, mean, old))
+        chex.assert_trees_all_equal(
+            jax.tree.map(np.add, sent, state.inner.residual), jax.tree.map(np.add, mean, old)
+        )
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 
+pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
+
 LEAVES = {  # name: (shape, dtype)
     "f32": ((6, 8), np.float32),
     "bf16": ((24,), jnp.bfloat16),

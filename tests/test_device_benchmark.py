@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import device
 
+pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 METHODS = [

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,6 @@ from harness import (
     AXIS,
     DEVICES,
     SHAPES,
-    assert_trees_equal,
     copies,
     device_residual,
     gradient_stream,
@@ -24,6 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
+
+pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
 
 def _at(name):
@@ -86,7 +88,7 @@ def test_ratio_one_equals_the_dense_mean(rng, name, communication):
     got, _, _ = run_shard_map(factory(1.0, axis_name=AXIS, communication=communication), stream)
     want, _, _ = run_shard_map(sidco.dense(axis_name=AXIS), stream)
     for g, w, grads in zip(got, want, stream, strict=True):
-        assert_trees_equal(g, w)
+        chex.assert_trees_all_equal(g, w)
         np.testing.assert_array_equal(w["w"], grads["w"].mean(axis=0))
 
 
@@ -95,8 +97,8 @@ def test_one_device_equals_no_axis(rng, name):
     stream = gradient_stream(rng, 10)
     got, got_states, _ = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream, devices=1)
     want, want_states = run_local(COMPRESSORS[name](), stream)
-    assert_trees_equal(got, want)
-    assert_trees_equal(got_states[-1], want_states[-1])
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal(got_states[-1], want_states[-1])
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
@@ -104,7 +106,7 @@ def test_eight_devices_with_identical_gradients_equal_one_device(rng, name):
     stream = gradient_stream(rng, 10, identical=True)
     got, got_states, _ = run_shard_map(COMPRESSORS[name](axis_name=AXIS), stream)
     want, want_states = run_local(COMPRESSORS[name](), stream)
-    assert_trees_equal(got, want)
+    chex.assert_trees_all_equal(got, want)
     for key, leaf in got_states[-1].residual.items():
         for residual in copies(leaf):
             np.testing.assert_array_equal(residual, want_states[-1].residual[key])
@@ -128,9 +130,9 @@ def test_pmap_and_shard_map_agree(rng, name, communication):
     for grads, w in zip(stream, want, strict=True):
         got, state = update(grads, state)
         for d in range(DEVICES):
-            assert_trees_equal(jax.tree.map(lambda x, d=d: x[d], got), w)
+            chex.assert_trees_all_equal(jax.tree.map(lambda x, d=d: x[d], got), w)
     for d in range(DEVICES):
-        assert_trees_equal(
+        chex.assert_trees_all_equal(
             jax.tree.map(lambda r, d=d: r[d], state.residual),
             device_residual(want_states[-1].residual, d),
         )
@@ -172,7 +174,7 @@ def test_one_nonfinite_device_stops_every_device(rng):
         before = device_residual(states[0].residual, d)
         mine = {k: g[d] for k, g in stream[1].items()}
         want = before if d == 5 else jax.tree.map(np.add, before, mine)
-        assert_trees_equal(device_residual(states[1].residual, d), want)
+        chex.assert_trees_all_equal(device_residual(states[1].residual, d), want)
     assert int(states[1].rule.stages) == int(states[0].rule.stages)
     assert not bool(sidco.metrics(states[2])["nonfinite"])
     assert all(np.isfinite(np.asarray(r)).all() for r in jax.tree.leaves(states[2].residual))

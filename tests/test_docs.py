@@ -3,9 +3,12 @@
 import pathlib
 import re
 
+import pytest
+
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 
 
+@pytest.mark.slow
 def test_multi_device_page_runs(capsys):
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / "distributed.md").read_text(), flags=re.S)
     assert len(blocks) == 5

@@ -182,6 +182,7 @@ def test_gaussiank_statistics_are_scale_free(rng):
     assert densities[0] > 0.005 and densities == [densities[0]] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "granularity"),
     [("topk", "leaf"), ("dgc", "leaf"), ("redsync", "model"), ("randomk", "leaf")],

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,6 @@ from harness import (
     AXIS,
     DEVICES,
     SHAPES,
-    assert_trees_equal,
     copies,
     device_residual,
     flat_residual,
@@ -24,6 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 from sidco_jax._src import costs
+
+pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
 # Every compressor that selects indices (random-k's are shared: a psum of values), but
 # SIDCo-GP, whose rule differs from SIDCo-E's only in the fit.
@@ -146,8 +148,8 @@ def test_hierarchical_equals_compressing_the_node_means(rng, communication):
     flat = sidco.compress(0.02, axis_name=AXIS, communication=communication)
     want, want_states, _ = run_shard_map(flat, node_means, devices=2)
     for g, w in zip(got, want, strict=True):
-        assert_trees_equal(g, w)
-    assert_trees_equal(state.residual, want_states[-1].residual)
+        chex.assert_trees_all_equal(g, w)
+    chex.assert_trees_all_equal(state.residual, want_states[-1].residual)
     for leaf in jax.tree.leaves(state.residual):  # per node: the local devices agree
         shards = {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards}
         for node in range(2):

@@ -7,6 +7,8 @@ import pytest
 
 from benchmarks import quality
 
+pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
+
 
 def test_captured_gradients_are_grouped_early_and_late(tmp_path, rng):
     folder = tmp_path / "lm_0.01"

@@ -135,6 +135,7 @@ def test_enough_distinct_bad_inputs():
     assert len({case.id for case in CASES}) == len(CASES) >= 25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sidco.COMPRESSORS)
 def test_concrete_jax_and_numpy_scalars_work_under_jit(name):
     grads = jnp.asarray(np.random.default_rng(0).laplace(size=1000), jnp.float32)
