@@ -81,6 +81,8 @@ def rule(
         eta = thresholds.from_abs_sum(vectors, total, ratio, estimator, state.stages, first_ratio)
         eta = eta * jnp.exp(state.scale)
         cap = payload_lib.capacity(sum(v.shape[0] for v in vectors), ratio, capacity_factor)
+        if adaptation == "fill":
+            eta = control_lib.bracket(vectors, eta, cap)
         return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
