@@ -155,12 +155,17 @@ def test_fill_fills_where_the_paper_rule_does_not_without_recompiling(rng):
     assert fitted / control.BRACKET_SPAN <= chosen <= fitted * control.BRACKET_SPAN
     assert np.sum(np.abs(g) > chosen) >= capacity
     assert float(state.last.density) * g.size == pytest.approx(capacity)
-    # The factor moves the bracket's centre: a factor of 4 (past the span) raises it.
+    # The factor moves the bracket's centre: with a factor of 4 it searches
+    # [2, 8] x the fitted threshold instead of [1/2, 2] x, from the same state.
     for _ in range(3):
         state = step(state, g)
-    raised = state._replace(rule=state.rule._replace(scale=jnp.float32(math.log(4.0))))
-    high = float(step(raised, g).last.threshold)
-    assert high > float(state.last.threshold) * 1.5
+    etas = [
+        float(
+            step(state._replace(rule=state.rule._replace(scale=jnp.float32(s))), g).last.threshold
+        )
+        for s in (0.0, math.log(4.0))
+    ]
+    assert etas[1] > etas[0]
 
 
 def test_fill_factor_is_the_same_on_every_device(rng):
@@ -176,3 +181,16 @@ def test_fill_factor_is_the_same_on_every_device(rng):
     scales = [copies(s.rule.scale) for s in states]
     assert len({float(x) for x in scales[-1]}) == 1
     assert len({float(s[0]) for s in scales}) > 1  # it moved
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.001])
+def test_fill_sends_exactly_the_top_capacity_when_the_bracket_reaches_it(rng, ratio):
+    g = rng.standard_t(3, size=50_000).astype(np.float32)
+    tx = sidco.compress(ratio, adaptation="fill", error_feedback=False)
+    update, state = jax.jit(tx.update)(g, tx.init(g))
+    capacity = sidco.capacity(g.size, ratio)
+    selected = round(float(state.last.selected_density) * g.size)
+    assert capacity <= selected <= control.FILL_WIDE * capacity
+    # A NumPy oracle: the indices of the capacity largest magnitudes.
+    top = np.argsort(-np.abs(g), kind="stable")[:capacity]
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(update)), np.sort(top))

@@ -81,9 +81,15 @@ def rule(
         eta = thresholds.from_abs_sum(vectors, total, ratio, estimator, state.stages, first_ratio)
         eta = eta * jnp.exp(state.scale)
         cap = payload_lib.capacity(sum(v.shape[0] for v in vectors), ratio, capacity_factor)
-        if adaptation == "fill":
-            eta = control_lib.bracket(vectors, eta, cap)
-        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+        if adaptation != "fill":
+            return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+        # At least the capacity is selected wherever the bracket reaches it, and
+        # its largest entries are sent: the exact top-capacity whenever no more
+        # than control.FILL_WIDE x the capacity pass the threshold.
+        eta = control_lib.bracket(vectors, eta, cap)
+        n = sum(v.shape[0] for v in vectors)
+        wide = payload_lib.select_above(vectors, eta, min(control_lib.FILL_WIDE * cap, n))
+        return Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
         if adaptation is None:
