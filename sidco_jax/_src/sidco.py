@@ -145,9 +145,11 @@ def compress(
       adaptation: how the stage count follows the achieved density:
         ``"paper"`` (default: every ``period`` steps one stage fewer above
         ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
-        (reverses after a move that did not help) or ``None`` (fixed). The
-        default was chosen on training runs under error feedback
-        (docs/benchmarks.md).
+        (reverses after a move that did not help), ``"fill"`` (the paper's
+        moves, plus a per-step bracket around the threshold that fills the
+        payload with its largest entries, at two counting passes a step) or
+        ``None`` (fixed). The default was chosen on training runs under error
+        feedback (docs/optax.md, docs/benchmarks.md).
       first_ratio: density targeted by the first of several stages, in (0, 1].
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
