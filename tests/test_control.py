@@ -3,8 +3,11 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from harness import AXIS, copies, gradient_stream, run_shard_map
+from harness import AXIS, DEVICES, copies, gradient_stream, mesh_of, params_tree, run_shard_map
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 from sidco_jax._src import control
@@ -73,14 +76,21 @@ def test_rule_names_are_checked():
         sidco.compress(0.01, adaptation="fast")
 
 
-def test_fill_steers_the_selection_to_a_little_above_capacity():
-    # A plant with the count falling as threshold**-5: the factor settles where
-    # selected == FILL_AIM x capacity, i.e. log factor = log(2 / 1.1) / 5.
+@pytest.mark.parametrize(
+    ("scale", "settles"),
+    [
+        (0.3, math.log(0.3) / 5.0),  # never fills: lowered until it does
+        (2.0, 0.0),  # fills, under FILL_OVER x capacity: left alone
+        (10.0, math.log(10.0 / control.FILL_OVER) / 5.0),  # far too many: raised
+    ],
+)
+def test_fill_factor_moves_only_outside_the_band_the_bracket_handles(scale, settles):
+    # A plant whose selection falls as threshold**-5 from `scale` x capacity.
     fill = jax.jit(control.fill)
-    scale = jnp.float32(0.0)
+    log_factor = jnp.float32(0.0)
     for _ in range(400):
-        scale = fill(scale, 2.0 * jnp.exp(-5.0 * scale), jnp.bool_(False))
-    assert float(scale) == pytest.approx(math.log(2.0 / control.FILL_AIM) / 5.0, rel=1e-3)
+        log_factor = fill(log_factor, scale * jnp.exp(-5.0 * log_factor), jnp.bool_(False))
+    assert float(log_factor) == pytest.approx(settles, abs=1e-3)
 
 
 def test_fill_moves_at_most_gain_x_clip_per_step_and_not_on_a_skipped_step():
@@ -98,10 +108,38 @@ def test_fill_moves_at_most_gain_x_clip_per_step_and_not_on_a_skipped_step():
     assert float(control.fill(top, jnp.float32(1e9), jnp.bool_(False))) == control.FILL_LIMIT
 
 
-def test_fill_factor_scales_the_threshold_without_recompiling(rng):
+@pytest.mark.parametrize("law", ["student_t3", "normal", "gamma0.3"])
+@pytest.mark.parametrize("capacity", [10, 200, 3000])
+def test_bracket_takes_the_highest_threshold_that_fills_the_payload(samples, law, capacity):
+    x = np.abs(samples[law][:40_000]).astype(np.float32)
+    fitted = float(np.sort(x)[-capacity])  # so that the answer lies inside the bracket
+    for eta in (fitted * 0.6, fitted, fitted * 1.7):
+        chosen = float(control.bracket([jnp.asarray(x)], jnp.float32(eta), capacity))
+        assert eta / control.BRACKET_SPAN <= chosen <= eta * control.BRACKET_SPAN
+        # A NumPy oracle: it fills the payload, and the next threshold of the
+        # fine grid (2**(1/32) higher) would not.
+        assert np.sum(x > chosen) >= capacity
+        assert np.sum(x > chosen * 2 ** (1 / 32) * (1 + 1e-5)) < capacity
+
+
+def test_bracket_falls_back_to_its_ends_and_keeps_a_zero_threshold():
+    x = jnp.arange(1.0, 101.0)
+    # Too few even at eta / 2: the lowest; too many even at 2 eta: the highest.
+    assert float(control.bracket([x], jnp.float32(150.0), 50)) == pytest.approx(75.0)
+    assert float(control.bracket([x], jnp.float32(10.0), 50)) == pytest.approx(20.0)
+    assert float(control.bracket([x], jnp.float32(0.0), 50)) == 0.0
+    # Several vectors count together, as one.
+    halves = [x[:50], x[50:]]
+    assert float(control.bracket(halves, jnp.float32(60.0), 30)) == float(
+        control.bracket([x], jnp.float32(60.0), 30)
+    )
+
+
+def test_fill_fills_where_the_paper_rule_does_not_without_recompiling(rng):
     tx = sidco.compress(0.01, adaptation="fill")
     paper = sidco.compress(0.01, adaptation="paper")
     g = rng.standard_t(3, size=20_000).astype("float32")
+    capacity = sidco.capacity(g.size, 0.01)
 
     @jax.jit
     @chex.assert_max_traces(n=1)
@@ -110,28 +148,49 @@ def test_fill_factor_scales_the_threshold_without_recompiling(rng):
 
     state, reference = tx.init(g), paper.init(g)
     assert float(state.rule.scale) == 0.0
-    # With a zero factor the first step is the paper rule's, threshold included.
     state = step(state, g)
     reference = paper.update(g, reference)[1]
-    assert float(state.last.threshold) == float(reference.last.threshold)
-    scales = {float(state.rule.scale)}
-    for _ in range(5):
+    # The same fitted threshold, then bracketed to the highest that fills the payload.
+    fitted, chosen = float(reference.last.threshold), float(state.last.threshold)
+    assert fitted / control.BRACKET_SPAN <= chosen <= fitted * control.BRACKET_SPAN
+    assert np.sum(np.abs(g) > chosen) >= capacity
+    assert float(state.last.density) * g.size == pytest.approx(capacity)
+    # The factor moves the bracket's centre: with a factor of 4 it searches
+    # [2, 8] x the fitted threshold instead of [1/2, 2] x, from the same state.
+    for _ in range(3):
         state = step(state, g)
-        scales.add(float(state.rule.scale))
-    assert len(scales) > 1
-    # The factor multiplies the fitted threshold of the next step.
-    scaled = state.rule._replace(scale=jnp.float32(0.5))
-    unscaled = state.rule._replace(scale=jnp.float32(0.0))
-    eta = [
-        float(tx.update(g, state._replace(rule=rule))[1].last.threshold)
-        for rule in (scaled, unscaled)
+    etas = [
+        float(
+            step(state._replace(rule=state.rule._replace(scale=jnp.float32(s))), g).last.threshold
+        )
+        for s in (0.0, math.log(4.0))
     ]
-    assert eta[0] == pytest.approx(eta[1] * math.exp(0.5), rel=1e-6)
+    assert etas[1] > etas[0]
 
 
 def test_fill_factor_is_the_same_on_every_device(rng):
     tx = sidco.compress(0.01, adaptation="fill", axis_name=AXIS)
-    _, states, _ = run_shard_map(tx, gradient_stream(rng, 6))
+    mesh = mesh_of(DEVICES)
+    params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+    # A factor of 1/16 centres the bracket far too low: the devices select far
+    # more than FILL_OVER x their capacity, so the factor goes up, from the
+    # devices' summed figures.
+    state = state._replace(rule=state.rule._replace(scale=jnp.float32(-math.log(16.0))))
+    _, states, _ = run_shard_map(tx, gradient_stream(rng, 6), start=(params, state))
     scales = [copies(s.rule.scale) for s in states]
     assert len({float(x) for x in scales[-1]}) == 1
     assert len({float(s[0]) for s in scales}) > 1  # it moved
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.001])
+def test_fill_sends_exactly_the_top_capacity_when_the_bracket_reaches_it(rng, ratio):
+    g = rng.standard_t(3, size=50_000).astype(np.float32)
+    tx = sidco.compress(ratio, adaptation="fill", error_feedback=False)
+    update, state = jax.jit(tx.update)(g, tx.init(g))
+    capacity = sidco.capacity(g.size, ratio)
+    selected = round(float(state.last.selected_density) * g.size)
+    assert capacity <= selected <= control.FILL_WIDE * capacity
+    # A NumPy oracle: the indices of the capacity largest magnitudes.
+    top = np.argsort(-np.abs(g), kind="stable")[:capacity]
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(update)), np.sort(top))

@@ -164,6 +164,20 @@ def select_above(vectors: Sequence[jax.Array], threshold: jax.Array, capacity: i
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
 
+def strongest(payload: Payload, capacity: int) -> Payload:
+    """The ``capacity`` largest magnitudes of a wider payload, as a payload of ``capacity`` slots.
+
+    Work on the payload's slots only, nothing of size ``n``: a selection that
+    overflows keeps its largest entries rather than its first ones in index
+    order. Empty slots (value 0, the padding index) come last.
+    """
+    _, pick = lax.top_k(jnp.abs(payload.values), capacity)
+    selected = jnp.asarray(payload.selected, jnp.int32)
+    return Payload(
+        payload.values[pick], payload.indices[pick], jnp.minimum(selected, capacity), selected
+    )
+
+
 def largest(
     vectors: Sequence[jax.Array], k: int, capacity: int, selected
 ) -> tuple[Payload, jax.Array]:

@@ -81,7 +81,15 @@ def rule(
         eta = thresholds.from_abs_sum(vectors, total, ratio, estimator, state.stages, first_ratio)
         eta = eta * jnp.exp(state.scale)
         cap = payload_lib.capacity(sum(v.shape[0] for v in vectors), ratio, capacity_factor)
-        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+        if adaptation != "fill":
+            return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+        # At least the capacity is selected wherever the bracket reaches it, and
+        # its largest entries are sent: the exact top-capacity whenever no more
+        # than control.FILL_WIDE x the capacity pass the threshold.
+        eta = control_lib.bracket(vectors, eta, cap)
+        n = sum(v.shape[0] for v in vectors)
+        wide = payload_lib.select_above(vectors, eta, min(control_lib.FILL_WIDE * cap, n))
+        return Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
         if adaptation is None:
@@ -137,9 +145,11 @@ def compress(
       adaptation: how the stage count follows the achieved density:
         ``"paper"`` (default: every ``period`` steps one stage fewer above
         ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
-        (reverses after a move that did not help) or ``None`` (fixed). The
-        default was chosen on training runs under error feedback
-        (docs/benchmarks.md).
+        (reverses after a move that did not help), ``"fill"`` (the paper's
+        moves, plus a per-step bracket around the threshold that fills the
+        payload with its largest entries, at two counting passes a step) or
+        ``None`` (fixed). The default was chosen on training runs under error
+        feedback (docs/optax.md, docs/benchmarks.md).
       first_ratio: density targeted by the first of several stages, in (0, 1].
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
