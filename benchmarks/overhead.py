@@ -8,7 +8,8 @@ median with its interquartile range and ratios taken in the same run.
   vector against ``lax.top_k`` (plus the same gather), the naive
   ``jnp.nonzero(size=capacity)`` payload and one ``sum(|x|)`` pass.
 * ``updates``: the whole ``jax.jit(tx.update)`` of every registered compressor
-  (error feedback, selection, write-back, metrics), on a gradient *tree* and on
+  and of SIDCo-E/P with ``adaptation="fill"`` (error feedback, selection,
+  write-back, metrics), on a gradient *tree* and on
   the same gradient as one flat leaf, with SIDCo-E's bare threshold + payload
   and one pass over the gradient for scale, and the compiled temporary bytes
   of each update (``Compiled.memory_analysis()``) in gradient sizes.
@@ -185,10 +186,11 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
 
     calls = {"one pass": jax.jit(one_pass), "sidco-e threshold+payload": jax.jit(bare)}
     memory = {}
-    for name in sidco.COMPRESSORS:
-        tx = sidco.compressor(name, ratio)
-        calls[name] = carried(tx.update, tx.init(grads))
-        memory[name] = temp_bytes(tx.update, grads, tx.init(grads))
+    fill = {f"{name} fill": (name, {"adaptation": "fill"}) for name in ("sidco-e", "sidco-p")}
+    for label, (name, options) in {**{n: (n, {}) for n in sidco.COMPRESSORS}, **fill}.items():
+        tx = sidco.compressor(name, ratio, **options)
+        calls[label] = carried(tx.update, tx.init(grads))
+        memory[label] = temp_bytes(tx.update, grads, tx.init(grads))
     return calls, memory
 
 
