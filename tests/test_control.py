@@ -194,3 +194,20 @@ def test_fill_sends_exactly_the_top_capacity_when_the_bracket_reaches_it(rng, ra
     # A NumPy oracle: the indices of the capacity largest magnitudes.
     top = np.argsort(-np.abs(g), kind="stable")[:capacity]
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(update)), np.sort(top))
+
+
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+def test_fill_loses_nothing(rng, estimator):
+    # sent + new residual == gradient + old residual, bit for bit, step after step.
+    tx = sidco.compress(0.01, estimator=estimator, adaptation="fill")
+    params = {"w": np.zeros((60, 50), np.float32), "b": np.zeros(300, np.float32)}
+    state, update = tx.init(params), jax.jit(tx.update)
+    for _ in range(6):
+        grads = jax.tree.map(lambda x: rng.standard_t(3, size=x.shape).astype(np.float32), params)
+        old = jax.tree.map(np.asarray, state.residual)
+        sent, state = update(grads, state)
+        chex.assert_trees_all_equal(
+            jax.tree.map(np.add, jax.tree.map(np.asarray, sent), state.residual),
+            jax.tree.map(np.add, grads, old),
+        )
+        assert float(state.last.density) > 0
