@@ -131,12 +131,17 @@ def _add_all(a, b):
     return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
-def _row_sums(xs: Operands, elementwise, scalars: Sequence[jax.Array], after) -> list[jax.Array]:
+def _row_sums(
+    xs: Operands, elementwise, scalars: Sequence[jax.Array], after, width: int
+) -> list[jax.Array]:
     """Sums of the arrays ``elementwise(v, zero, *scalars)`` returns, in one pass per operand.
 
-    One variadic row reduction over words of 32 entries sums every output
-    together (separate passes cost about twice as much on XLA's CPU backend),
-    then the rows are summed; each output keeps its own dtype.
+    One variadic row reduction over rows of ``width`` entries sums every
+    output together (separate passes cost about twice as much on XLA's CPU
+    backend), then the rows are summed; each output keeps its own dtype. The
+    best width depends on the number of outputs: on jax 0.10's CPU backend
+    three outputs ran 2x faster over rows of 16 than of 32, nine outputs 1.5x
+    slower (docs/benchmarks.md).
     """
     token = jnp.zeros((), jnp.float32) if after is None else after
     totals = None
@@ -145,8 +150,8 @@ def _row_sums(xs: Operands, elementwise, scalars: Sequence[jax.Array], after) ->
         xb, sb, zero, _ = lax.optimization_barrier(
             (x, tuple(scalars), jnp.zeros((), jnp.float32), token)
         )
-        full = xb.shape[0] // WORD
-        for v, axis in ((xb[: full * WORD].reshape(full, WORD), 1), (xb[full * WORD :], 0)):
+        full = xb.shape[0] // width
+        for v, axis in ((xb[: full * width].reshape(full, width), 1), (xb[full * width :], 0)):
             if v.size == 0:
                 continue
             values = tuple(elementwise(v, zero, *sb))
@@ -184,7 +189,7 @@ def count_and_sums(
         above = (jnp.abs(v) > threshold).astype(jnp.int32)
         return (above, *[term(v, zero, *scalars).astype(jnp.float32) for term in terms])
 
-    count, *sums = _row_sums(xs, elementwise, [threshold, *scalars], after)
+    count, *sums = _row_sums(xs, elementwise, [threshold, *scalars], after, width=16)
     return count, sums
 
 
@@ -200,7 +205,7 @@ def counts_above(xs: Operands, thresholds: jax.Array, after=None) -> jax.Array:
         return tuple((jnp.abs(v) > t).astype(jnp.int32) for t in ts)
 
     ts = [thresholds[i] for i in range(thresholds.shape[0])]
-    return jnp.stack(_row_sums(xs, elementwise, ts, after))
+    return jnp.stack(_row_sums(xs, elementwise, ts, after, width=32))
 
 
 def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:
