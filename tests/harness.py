@@ -1,6 +1,7 @@
 """Shared test set-up: per-device gradient streams and runs under shard_map or plain jit."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +198,14 @@ def quick_first(values) -> list:
     ``pytest -m "not slow"`` then still checks each property once.
     """
     return [v if i == 0 else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
+
+
+def full_size_copies(jitted, *args, shape: tuple[int, ...]) -> list[str]:
+    """Lines of the compiled entry computation of ``jitted(*args)`` that copy an f32 array
+    of ``shape``, or of its flattened size."""
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    wanted = (f"f32[{','.join(map(str, shape))}]", f"f32[{math.prod(shape)}]")
+    return [
+        line for line in entry.splitlines() if " copy(" in line and any(w in line for w in wanted)
+    ]

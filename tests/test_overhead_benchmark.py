@@ -4,6 +4,7 @@ import json
 import pathlib
 
 import pytest
+from harness import full_size_copies
 
 pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
 
@@ -69,13 +70,6 @@ def test_phases_kernels_step_and_axis(overhead, tmp_path):
     }
 
 
-def full_size_copies(jitted, *args) -> list[str]:
-    """The copies of a full-size f32[64,512] array in the compiled entry computation."""
-    text = jitted.lower(*args).compile().as_text()
-    entry = text[text.index("ENTRY") :]
-    return [line for line in entry.splitlines() if "f32[64,512]" in line and " copy(" in line]
-
-
 def test_carried_keeps_the_residual_in_its_donated_buffers(overhead):
     # Returned first, the update (shaped like the residual) would take the
     # donated buffers: JAX pairs them with the first outputs of their shape.
@@ -85,7 +79,7 @@ def test_carried_keeps_the_residual_in_its_donated_buffers(overhead):
     grads = {"w": jnp.linspace(-1.0, 1.0, 64 * 512).reshape(64, 512), "b": jnp.ones(512)}
     tx = overhead.sidco.compress(0.01)
     call, jitted = overhead.carried(tx.update, tx.init(grads))
-    assert full_size_copies(jitted, grads, tx.init(grads)) == []
+    assert full_size_copies(jitted, grads, tx.init(grads), shape=(64, 512)) == []
     # The state is carried from call to call: the same updates as a plain loop.
     state = tx.init(grads)
     for _ in range(3):

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from absl.testing import parameterized
-from harness import flat_residual, quick_first
+from harness import flat_residual, full_size_copies, quick_first
 
 import sidco_jax as sidco
 
@@ -215,3 +215,16 @@ class SameUpdateEverywhere(chex.TestCase):
             # pmap broadcasts the arguments to every device and returns the first
             # device's result; eager and compiled arithmetic may round differently.
             chex.assert_trees_all_close((out, got), (expected, want), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", quick_first(sidco.COMPRESSORS))
+def test_equal_leaves_are_written_without_copies(name):
+    # Constant zero targets of equal shapes would be merged by XLA into one
+    # buffer, copied for each leaf's in-place scatter.
+    grads = {
+        "a": jnp.linspace(-1.0, 1.0, 32768).reshape(64, 512),
+        "b": jnp.linspace(2.0, -2.0, 32768).reshape(64, 512),
+    }
+    tx = sidco.compressor(name, 0.01)
+    update = jax.jit(lambda g, s: tx.update(g, s)[::-1], donate_argnums=1)
+    assert full_size_copies(update, grads, tx.init(grads), shape=(64, 512)) == []

@@ -249,10 +249,14 @@ def scatter(values: jax.Array, indices: jax.Array, sizes: Sequence[int]) -> list
     Duplicate indices accumulate; indices outside every vector are dropped.
     """
     values, indices = values.reshape(-1), indices.reshape(-1)
-    return [
-        jnp.zeros((size,), values.dtype).at[local].add(values, mode="drop")
-        for size, local in zip(sizes, local_indices(indices, sizes), strict=True)
-    ]
+    out = []
+    for size, local in zip(sizes, local_indices(indices, sizes), strict=True):
+        # A zero that XLA cannot fold (local indices are >= 0): constant zero
+        # vectors of equal sizes would be merged into one buffer and copied for
+        # each in-place scatter.
+        zero = jnp.minimum(local[0], 0).astype(values.dtype)
+        out.append(jnp.broadcast_to(zero, (size,)).at[local].add(values, mode="drop"))
+    return out
 
 
 def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.Array:
