@@ -94,14 +94,14 @@ def one_pass(grads):
 def carried(update, state, state_first: bool = True):
     """``update(grads, state)`` as training runs it: the state donated and carried along.
 
-    Donation lets the new residual reuse the old one's buffers, as in the
-    examples' steps. JAX gives each donated buffer to the first output of the
-    same shape and dtype, and ``update`` returns the update first, shaped like
-    the residual: jitted as it is, the update takes the residual's buffers and
-    the new residual is copied into fresh ones. Inside a training step the new
-    parameters come first and take the donated parameters' buffers, so the
-    residual keeps its own; ``state_first`` (default) returns the state first to
-    do the same here. Returns the call of ``grads`` and the jitted function.
+    Donation lets the new residual reuse the old one's buffers, as in the examples' steps.
+    JAX gives each donated buffer to the first output of the same shape and dtype: the
+    update, shaped like the residual, when ``update`` is jitted as it is. A training step
+    returns the new parameters first; ``state_first`` (default) returns the state first to
+    do the same here. While the update's zero targets were constants (before 1649e2d),
+    the update-first order made XLA copy the residual on every call; the rows that keep
+    that order check that it no longer does. Returns the call of ``grads`` and the jitted
+    function.
     """
     if state_first:
         jitted = jax.jit(lambda g, s: update(g, s)[::-1], donate_argnums=1)
