@@ -5,7 +5,10 @@ threshold needs ``x`` with ``Q(a, x) = q`` for small ``q``; this solves it by
 safeguarded Newton steps on ``y = log x`` against ``log Q`` (or ``log P`` when
 ``P`` is the smaller tail, which keeps precision on both sides), starting from
 Wilson-Hilferty or the tail asymptotes and falling back to bisection whenever
-a step leaves the bracket. Fixed iteration count: jittable and vectorised.
+a step leaves the bracket. It stops once every step is below float32 noise (at
+most ``_ITERATIONS``): each evaluation of ``Q`` or ``P`` is a data-dependent
+loop of its own, which on a GPU costs a kernel launch and a host round trip
+per iteration (0.2-0.4 ms a Newton step on an H200). Jittable and vectorised.
 """
 
 import jax
@@ -14,6 +17,7 @@ from jax import lax
 from jax.scipy import special
 
 _ITERATIONS = 24
+_TOLERANCE = 2e-6  # on log x, relative to 1 + |log x|: float32 noise
 
 
 def _initial_log_x(a, p, q):
@@ -60,10 +64,15 @@ def gammainccinv(a: jax.Array, q: jax.Array) -> jax.Array:
     hi = jnp.log(2.0 * a + 2.0 * (-jnp.log(qc)) + 50.0)
     y = jnp.clip(_initial_log_x(a, jnp.maximum(p, jnp.finfo(dtype).tiny), qc), lo, hi)
 
-    def step(_, carry):
-        y, lo, hi = carry
+    def tail_of(x):
+        if upper.ndim == 0:  # one solve (a threshold): evaluate only the tail it needs
+            return lax.cond(upper, special.gammaincc, special.gammainc, a, x)
+        return jnp.where(upper, special.gammaincc(a, x), special.gammainc(a, x))
+
+    def step(carry):
+        i, y, lo, hi, done = carry
         x = jnp.exp(y)
-        tail = jnp.where(upper, special.gammaincc(a, x), special.gammainc(a, x))
+        tail = tail_of(x)
         f = jnp.log(tail) - target
         # d log(tail) / dy = -+ x^a e^-x / (Gamma(a) tail)
         slope = jnp.exp(a * y - x - lgam) / tail
@@ -72,11 +81,21 @@ def gammainccinv(a: jax.Array, q: jax.Array) -> jax.Array:
         lo = jnp.where(too_small, y, lo)
         hi = jnp.where(too_small, hi, y)
         new = y - f / slope
+        # A Newton step within float32 noise ends the solve. Without this test
+        # the bracket, just moved onto y, made such a step look like leaving
+        # it, and the next bisection threw a converged y far away again.
+        converged = (f == 0) | (jnp.abs(new - y) <= _TOLERANCE * (1.0 + jnp.abs(y)))
         inside = jnp.isfinite(new) & (new > lo) & (new < hi)
-        y = jnp.where(f == 0, y, jnp.where(inside, new, 0.5 * (lo + hi)))
-        return y, lo, hi
+        moved = jnp.where(inside, new, 0.5 * (lo + hi))
+        y = jnp.where(done, y, jnp.where(converged, jnp.where(f == 0, y, new), moved))
+        return i + 1, y, lo, hi, done | converged
 
-    y, _, _ = lax.fori_loop(0, _ITERATIONS, step, (y, lo, hi))
+    def searching(carry):
+        i, *_, done = carry
+        return (i < _ITERATIONS) & ~jnp.all(done)
+
+    start = (jnp.int32(0), y, lo, hi, jnp.zeros(y.shape, bool))
+    _, y, _, _, _ = lax.while_loop(searching, step, start)
     x = jnp.exp(y)
     x = jnp.where(q >= 1.0, 0.0, jnp.where(q <= 0.0, jnp.inf, x))
     return jnp.where((a > 0) & ~jnp.isnan(q), x, jnp.nan)
