@@ -209,3 +209,18 @@ def full_size_copies(jitted, *args, shape: tuple[int, ...]) -> list[str]:
     return [
         line for line in entry.splitlines() if " copy(" in line and any(w in line for w in wanted)
     ]
+
+
+def sorted_sizes(jaxpr) -> list[int]:
+    """Operand sizes of every ``top_k`` and ``sort`` in ``jaxpr`` and its sub-jaxprs
+    (``lax.cond`` branches and loop bodies included)."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("top_k", "sort"):
+            sizes.append(math.prod(eqn.invars[0].aval.shape))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    sizes += sorted_sizes(inner)
+    return sizes

@@ -99,3 +99,27 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="ratio must be in"):
         sidco.capacity(100, 0.0)
     assert sidco.capacity(100, 1.0, capacity_factor=3.0) == 100 and sidco.capacity(10, 1e-6) == 1
+
+
+@pytest.mark.parametrize("kind", ["student_t", "ties_and_zeros", "mostly_zero"])
+def test_top_by_count_is_lax_top_k_without_a_sort(rng, kind):
+    # The starved-payload fill: the same entries as lax.top_k over the
+    # concatenation (ties to the lower index) and the same k-th magnitude.
+    from jax import lax
+
+    from sidco_jax._src.payload import top_by_count
+
+    make = {
+        "student_t": lambda s: rng.standard_t(3, s),
+        "ties_and_zeros": lambda s: rng.integers(-3, 4, s).astype(float),
+        "mostly_zero": lambda s: np.where(rng.random(s) < 0.05, rng.normal(size=s), 0.0),
+    }[kind]
+    vectors = [jnp.asarray(make(s), jnp.float32) for s in (700, 0, 1300)]
+    flat = jnp.concatenate(vectors)
+    for k in (1, 91, 2000):
+        payload, kth = jax.jit(top_by_count, static_argnums=1)(vectors, k)
+        mags, want = lax.top_k(jnp.abs(flat), k)
+        np.testing.assert_array_equal(np.sort(payload.indices), np.sort(want))
+        np.testing.assert_array_equal(payload.values, flat[payload.indices])
+        assert float(kth) == float(mags[-1]) and int(payload.count) == k
+    assert "top_k" not in str(jax.make_jaxpr(top_by_count, static_argnums=1)(vectors, 91))

@@ -264,7 +264,9 @@ def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     Ties at the threshold (all-equal magnitudes, which error feedback keeps
     tied) or a threshold over the top would otherwise leave the paid-for
     payload empty step after step. The exact top-``capacity`` then fills it,
-    ties going to the lower index as in top-k; it only runs on such steps.
+    ties going to the lower index as in top-k; it only runs on such steps. It
+    is found by counting passes, not ``lax.top_k``: on a GPU the sort of an
+    untaken branch still reserved three gradient sizes of memory.
     """
     payload = chosen.payload
     if payload is None or chosen.shared:
@@ -278,7 +280,7 @@ def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
         return jax.tree.map(lambda x: jnp.where(starved, x, x), tree)
 
     def fill(_):
-        return vary(payload_lib.largest(vectors, capacity, capacity, capacity))
+        return vary(payload_lib.top_by_count(vectors, capacity))
 
     def keep(_):
         return vary((payload, jnp.asarray(chosen.threshold, jnp.float32)))

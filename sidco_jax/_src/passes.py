@@ -97,7 +97,9 @@ def reduce_each(
     return out
 
 
-def block_words(x: jax.Array, threshold: jax.Array, after=None) -> jax.Array:
+def block_words(
+    x: jax.Array, threshold: jax.Array, after=None, inclusive: bool = False
+) -> jax.Array:
     """Bitmasks of ``|x| > threshold`` over consecutive words of 32 entries.
 
     Bit ``j`` of word ``w`` is set when entry ``32 w + j`` of the 1-D ``x`` is
@@ -107,6 +109,7 @@ def block_words(x: jax.Array, threshold: jax.Array, after=None) -> jax.Array:
       x: 1-D array.
       threshold: scalar magnitude threshold (in ``x``'s dtype or float32).
       after: optional array this pass is ordered after.
+      inclusive: select ``|x| >= threshold`` instead.
 
     Returns:
       uint32 array of ``ceil(x.size / 32)`` words.
@@ -116,12 +119,13 @@ def block_words(x: jax.Array, threshold: jax.Array, after=None) -> jax.Array:
     token = jnp.zeros((), jnp.float32) if after is None else after
     x, threshold, _ = lax.optimization_barrier((x, threshold, token))
     bits = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD, dtype=jnp.uint32))
-    above = jnp.abs(x[: full * WORD]).reshape(full, WORD) > threshold
+    compare = jnp.greater_equal if inclusive else jnp.greater
+    above = compare(jnp.abs(x[: full * WORD]).reshape(full, WORD), threshold)
     words = jnp.sum(jnp.where(above, bits, jnp.uint32(0)), axis=1, dtype=jnp.uint32)
     if n % WORD:
         # Keep the tail reduction out of the main fusion (it would slow it down).
         words = lax.optimization_barrier(words)
-        tail = jnp.abs(x[full * WORD :]) > threshold
+        tail = compare(jnp.abs(x[full * WORD :]), threshold)
         last = jnp.sum(jnp.where(tail, bits[: n % WORD], jnp.uint32(0)), dtype=jnp.uint32)
         words = jnp.concatenate([words, last[None]])
     return words

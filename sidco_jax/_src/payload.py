@@ -117,8 +117,13 @@ def local_indices(indices: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     ]
 
 
-def select_above(vectors: Sequence[jax.Array], threshold: jax.Array, capacity: int) -> Payload:
-    """:func:`sparsify` of 1-D float vectors, indexed over their concatenation."""
+def select_above(
+    vectors: Sequence[jax.Array], threshold: jax.Array, capacity: int, inclusive: bool = False
+) -> Payload:
+    """:func:`sparsify` of 1-D float vectors, indexed over their concatenation.
+
+    ``inclusive`` selects ``|x| >= threshold`` instead.
+    """
     sizes = [v.shape[0] for v in vectors]
     n = sum(sizes)
     if n > MAX_SIZE:
@@ -134,7 +139,7 @@ def select_above(vectors: Sequence[jax.Array], threshold: jax.Array, capacity: i
     words, after = [], None
     for v in vectors:
         if v.shape[0]:
-            words.append(passes.block_words(v, threshold.astype(v.dtype), after))
+            words.append(passes.block_words(v, threshold.astype(v.dtype), after, inclusive))
             after = words[-1]
     words = jnp.concatenate(words) if len(words) > 1 else words[0]
     cumulative = _cumsum(jax.lax.population_count(words).astype(jnp.int32), passes.WORD)
@@ -210,6 +215,65 @@ def largest(
     selected = jnp.asarray(selected, jnp.int32)
     payload = Payload(values, indices, jnp.minimum(selected, k), selected)
     return payload, jnp.min(mags)
+
+
+_WAYS = 8  # candidates per counting pass of kth_magnitude (7 counts cost about one pass)
+
+
+def kth_magnitude(vectors: Sequence[jax.Array], k: int) -> jax.Array:
+    """The exact ``k``-th largest ``|x|`` over 1-D ``vectors``, by counting passes only.
+
+    Non-negative float32 values order as their bit patterns, so a search over
+    the patterns below ``max |x|`` narrows to the one value ``t`` with fewer
+    than ``k`` entries above it and at least ``k`` at or above it: each pass
+    counts ``|x| > c`` for ``_WAYS - 1`` candidates ``c`` and keeps the gap
+    that holds ``t``, 11 passes in all. Unlike ``lax.top_k``, which sorts on a
+    GPU (three gradient sizes of temporaries for a rarely taken branch, on an
+    H200), it needs nothing of size ``n``. ``0`` where fewer than ``k`` are
+    nonzero.
+    """
+    vectors = [v for v in vectors if v.shape[0]]
+    (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v.astype(jnp.float32))], op=jnp.max)
+    ways = jnp.arange(1, _WAYS, dtype=jnp.int32)
+
+    def narrow(_, bounds):
+        # Invariant: count(|x| > lo) >= k > count(|x| > hi), lo = -1 standing below 0.
+        lo, hi = bounds
+        width = hi - lo
+        candidates = lo + (width // _WAYS) * ways + jnp.minimum(ways, width % _WAYS)
+        counts = passes.counts_above(vectors, lax.bitcast_convert_type(candidates, jnp.float32), hi)
+        filled = counts >= k
+        lo = jnp.max(jnp.where(filled, candidates, lo))
+        hi = jnp.min(jnp.where(filled, hi, candidates))
+        return lo, hi
+
+    width, iterations = 2**31, 0  # the widest gap, then (gap // _WAYS) + 1 after each pass
+    while width > 1:
+        width, iterations = width // _WAYS + 1, iterations + 1
+    hi = lax.bitcast_convert_type(top, jnp.int32)
+    _, hi = lax.fori_loop(0, iterations, narrow, (hi * 0 - 1, hi))  # lo varies like the data
+    return lax.bitcast_convert_type(hi, jnp.float32)
+
+
+def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Array]:
+    """Exact top-``k`` magnitudes of 1-D ``vectors`` as a payload of ``k`` slots, and the k-th.
+
+    The same entries as ``lax.top_k`` over the concatenation (ties go to the
+    lower index), found with :func:`kth_magnitude` and two payload passes
+    instead of a sort: every entry above the k-th magnitude ``t``, then the
+    first of those equal to ``t`` in index order.
+    """
+    t = kth_magnitude(vectors, k)
+    above = select_above(vectors, t, k)  # fewer than k: all of them
+    at_least = select_above(vectors, t, k, inclusive=True)  # its first k, in index order
+    slot = jnp.arange(k, dtype=jnp.int32)
+    tie = (slot < at_least.count) & (jnp.abs(at_least.values).astype(jnp.float32) <= t)
+    rank = jnp.cumsum(tie, dtype=jnp.int32)  # 1-based among the ties
+    target = jnp.where(tie & (rank <= k - above.count), above.count + rank - 1, k)
+    values = above.values.at[target].set(at_least.values, mode="drop")
+    indices = above.indices.at[target].set(at_least.indices, mode="drop")
+    count = jnp.minimum(at_least.selected, k)  # k, from data (it varies like the rest)
+    return Payload(values, indices, count, count), t
 
 
 def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
