@@ -123,3 +123,12 @@ def test_top_by_count_is_lax_top_k_without_a_sort(rng, kind):
         np.testing.assert_array_equal(payload.values, flat[payload.indices])
         assert float(kth) == float(mags[-1]) and int(payload.count) == k
     assert "top_k" not in str(jax.make_jaxpr(top_by_count, static_argnums=1)(vectors, 91))
+
+
+def test_payload_search_is_a_loop_on_cpu_and_unrolled_elsewhere():
+    # On a GPU each step of a while loop costs a launch and a host round trip;
+    # on XLA's CPU backend the unrolled search is 2.3x slower.
+    payload = jax.jit(lambda x: sidco.sparsify(x, 0.5, 64))
+    x = jnp.linspace(-1.0, 1.0, 4096)
+    assert "stablehlo.while" in payload.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "stablehlo.while" not in payload.trace(x).lower(lowering_platforms=("cuda",)).as_text()
