@@ -262,7 +262,7 @@ def main(argv=None) -> list[dict]:
         "seed": args.seed,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(
-            sys.argv if argv is None else ["python", "-m", "benchmarks.device", *argv]
+            ["python", "-m", "benchmarks.device", *(sys.argv[1:] if argv is None else argv)]
         ),
         "budget_s": args.budget,
         "total_s": total,
