@@ -94,7 +94,10 @@ def gammainccinv(a: jax.Array, q: jax.Array) -> jax.Array:
         i, *_, done = carry
         return (i < _ITERATIONS) & ~jnp.all(done)
 
-    start = (jnp.int32(0), y, lo, hi, jnp.zeros(y.shape, bool))
+    # The counter and flags derive from y, so they vary across devices as y
+    # does under shard_map (a constant carry would not). A NaN y is done.
+    done = jnp.isnan(y)
+    start = (jnp.sum(done & ~done, dtype=jnp.int32), y, lo, hi, done)
     _, y, _, _, _ = lax.while_loop(searching, step, start)
     x = jnp.exp(y)
     x = jnp.where(q >= 1.0, 0.0, jnp.where(q <= 0.0, jnp.inf, x))
