@@ -211,16 +211,21 @@ def full_size_copies(jitted, *args, shape: tuple[int, ...]) -> list[str]:
     ]
 
 
-def sorted_sizes(jaxpr) -> list[int]:
-    """Operand sizes of every ``top_k`` and ``sort`` in ``jaxpr`` and its sub-jaxprs
-    (``lax.cond`` branches and loop bodies included)."""
-    sizes = []
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` and of its sub-jaxprs (``lax.cond`` branches, loop bodies)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("top_k", "sort"):
-            sizes.append(math.prod(eqn.invars[0].aval.shape))
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, tuple | list) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    sizes += sorted_sizes(inner)
-    return sizes
+                    yield from equations(inner)
+
+
+def sorted_sizes(jaxpr) -> list[int]:
+    """Operand sizes of every ``top_k`` and ``sort`` in ``jaxpr`` and its sub-jaxprs."""
+    return [
+        math.prod(eqn.invars[0].aval.shape)
+        for eqn in equations(jaxpr)
+        if eqn.primitive.name in ("top_k", "sort")
+    ]

@@ -270,6 +270,25 @@ def test_another_ratio_warns_when_the_target_holds_values(tmp_path):
         sidco.restore(tmp_path / "ckpt", jax.eval_shape(lambda: small_state(0.05)))
 
 
+def test_a_residual_with_nonfinite_entries_warns_at_restore(tmp_path):
+    # The update drops such entries silently (it only counts them, on the
+    # device), so the host says it where a bad residual comes in.
+    params = {"w": jnp.arange(8.0), "b": jnp.ones(3)}
+    tx = optax.chain(sidco.compress(0.25), optax.sgd(0.1))
+    state = tx.init(params)
+    bad = state[0].residual["w"].at[2].set(jnp.nan).at[5].set(jnp.inf)
+    residual = dict(state[0].residual, w=bad)
+    sidco.save(tmp_path / "bad", (params, (state[0]._replace(residual=residual), state[1])))
+    with pytest.warns(sidco.ResidualWarning, match="hold 2 non-finite entries"):
+        _, restored = sidco.restore(tmp_path / "bad", (params, state))
+    _, after = tx.update(params, restored, params)
+    assert int(sidco.metrics(after)["dropped"]) == 2
+    sidco.save(tmp_path / "good", (params, state))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sidco.restore(tmp_path / "good", (params, state))
+
+
 def test_without_orbax_save_names_the_extra_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # as if not installed
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'sidco_jax\[checkpoint\]'"):

@@ -63,9 +63,7 @@ def test_a_nonfinite_residual_is_dropped_reported_and_training_goes_on():
     tx = sidco.compress(0.1)
     state = tx.init(g)
     state = state._replace(residual=state.residual.at[3].set(jnp.nan).at[7].set(-jnp.inf))
-    with pytest.warns(RuntimeWarning, match="non-finite entries of the error-feedback residual"):
-        ((sent, state),) = steps(tx, g, state)
-        jax.effects_barrier()
+    ((sent, state),) = steps(tx, g, state)  # counted, not warned about (see test_checkpoint)
     m = sidco.metrics(state)
     assert int(m["dropped"]) == 2 and not bool(m["nonfinite"]) and float(m["density"]) > 0
     assert np.all(np.isfinite(sent)) and np.all(np.isfinite(state.residual))

@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sidco_jax._src.base import CompressState
@@ -25,7 +26,7 @@ from sidco_jax._src.sharding import is_residual
 
 
 class ResidualWarning(UserWarning):
-    """A restore changed the number of devices and redistributed the residuals."""
+    """A restore redistributed the residuals, or found non-finite entries in them."""
 
 
 class RatioWarning(UserWarning):
@@ -175,7 +176,9 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         residuals.
 
     Warns:
-      ResidualWarning: when the residuals are redistributed.
+      ResidualWarning: when the residuals are redistributed, or hold NaN or
+        inf entries (the next update sets them to zero and counts them in
+        ``metrics()["dropped"]``).
       RatioWarning: when a compressor state of ``target`` holding values has
         another ratio than the saved one.
     """
@@ -230,15 +233,42 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
     leaves = []
     for value, leaf, asked in zip(treedef.flatten_up_to(restored), abstract, wanted, strict=True):
         leaves.append(_zeros(leaf) if asked is None else _redistribute(value, leaf))
+    _check_finite(leaves, marks)
     restored = treedef.unflatten(leaves)
     _check_ratios(restored, target)
     return restored
 
 
+@jax.jit
+def _count_nonfinite(x):
+    return jnp.sum(~jnp.isfinite(x))
+
+
+def _check_finite(leaves, marks) -> None:
+    """Warns where restored residuals hold NaN or inf: the next update drops those entries.
+
+    Said here, on the host, because the update only counts them
+    (``metrics()["dropped"]``): a warning from the device would cost every step.
+    """
+    bad = sum(
+        int(_count_nonfinite(leaf))
+        for leaf, mark in zip(leaves, marks, strict=True)
+        if mark and leaf.size and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    )
+    if bad:
+        warnings.warn(
+            f"the restored residuals hold {bad} non-finite entries: the next update sets them "
+            "to zero and counts them in metrics()['dropped']; the rest of the residual and "
+            "that step's gradient are kept",
+            ResidualWarning,
+            stacklevel=3,
+        )
+
+
 def _zeros(leaf):
     """A zero-size array like ``leaf``, on its sharding."""
     if leaf.sharding is None:
-        return jax.numpy.zeros(leaf.shape, leaf.dtype)
+        return jnp.zeros(leaf.shape, leaf.dtype)
     return jax.make_array_from_callback(
         leaf.shape, leaf.sharding, lambda index: np.zeros(leaf.shape, leaf.dtype)[index]
     )
@@ -299,5 +329,5 @@ def _redistribute(value, target):
     mean = np.asarray(value).reshape(old, per_device, *rest).mean(axis=0, dtype=np.float64)
     tiled = np.tile(mean.astype(value.dtype), (new,) + (1,) * len(rest))
     if target.sharding is None:
-        return jax.numpy.asarray(tiled)
+        return jnp.asarray(tiled)
     return jax.make_array_from_callback(target.shape, target.sharding, lambda i: tiled[i])
