@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +209,19 @@ def full_size_copies(jitted, *args, shape: tuple[int, ...]) -> list[str]:
     wanted = (f"f32[{','.join(map(str, shape))}]", f"f32[{math.prod(shape)}]")
     return [
         line for line in entry.splitlines() if " copy(" in line and any(w in line for w in wanted)
+    ]
+
+
+def constant_fills(jitted, *args, shape: tuple[int, ...]) -> list[str]:
+    """Lines of the compiled entry computation of ``jitted(*args)`` that fill an f32 array
+    of ``shape``, or of its flattened size, from constants alone: written, then read, for
+    nothing."""
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    wanted = (f"f32[{','.join(map(str, shape))}]", f"f32[{math.prod(shape)}]")
+    fill = re.compile(r"= f32\[[\d,]*\]\S* (fusion|broadcast)\((%constant[\w.]*(, )?)+\)")
+    return [
+        line for line in entry.splitlines() if fill.search(line) and any(w in line for w in wanted)
     ]
 
 

@@ -390,10 +390,15 @@ def sparsifier(
         # would cost XLA a copy of every multi-dimensional leaf.
         if error_feedback:
             old = jax.tree.leaves(state.residual)
-            old = [old[i] for i in float_at]
+            pairs = [
+                (g.reshape(old[i].shape), old[i]) for g, i in zip(grads, float_at, strict=True)
+            ]
         else:
-            old = [jnp.zeros(np.shape(g) or (1,), _residual_dtype(g)) for g in grads]
-        pairs = [(g.reshape(r.shape), r) for g, r in zip(grads, old, strict=True)]
+            # A scalar zero stands in for the residual: a full-size one was written
+            # and read on every step (passes' barriers keep XLA from folding it).
+            pairs = [
+                (g.reshape(np.shape(g) or (1,)), jnp.zeros((), _residual_dtype(g))) for g in grads
+            ]
 
         # First pass, fused with the residual add: sum(|g + r|) per leaf, for
         # the finite check and for the rules' statistics. Only where a sum is
