@@ -35,6 +35,7 @@ def test_updates_on_a_tree_and_its_flat_copy(overhead, tmp_path):
         names = set(row["ms"])
         fill = {"sidco-e fill", "sidco-p fill"}
         first = {"sidco-e, update returned first", "topk, update returned first"}
+        first |= {f"{c}, gradient donated" for c in ("dense", "sidco-e", "sidco-p", "topk", "dgc")}
         assert {"one pass", "sidco-e threshold+payload"} | set(
             overhead.sidco.COMPRESSORS
         ) | fill | first == names
@@ -85,3 +86,23 @@ def test_carried_keeps_the_residual_in_its_donated_buffers(overhead):
     for _ in range(3):
         want, state = tx.update(grads, state)
         chex.assert_trees_all_equal(call(grads), want)
+
+
+def test_carried_with_the_gradient_donated_writes_the_update_in_its_buffers(overhead):
+    import chex
+    import jax
+    import jax.numpy as jnp
+
+    grads = {"w": jnp.linspace(-1.0, 1.0, 64 * 512).reshape(64, 512), "b": jnp.ones(512)}
+    tx = overhead.sidco.compress(0.01)
+    call, jitted = overhead.carried(tx.update, tx.init(grads), donate_gradient=True)
+    assert call.donates
+    assert full_size_copies(jitted, grads, tx.init(grads), shape=(64, 512)) == []
+    state = tx.init(grads)
+    for _ in range(3):
+        want, state = tx.update(grads, state)
+        given = overhead.own_arguments(call, (grads,))[0]
+        chex.assert_trees_all_equal(call(given), want)
+        assert given["w"].is_deleted()  # donated: measure() must pass a fresh copy
+    assert not grads["w"].is_deleted()
+    assert overhead.own_arguments(jax.jit(lambda g: g), (grads,))[0] is grads
