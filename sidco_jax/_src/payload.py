@@ -6,17 +6,18 @@ that SIDCo sets out to beat. :func:`sparsify` instead
 
 1. writes, in one pass over each vector, a uint32 bitmask word per 32 entries
    (bit ``j``: entry ``j`` of the word is above the threshold);
-2. takes a cumulative sum of the words' bit counts over all vectors (two small
-   matmuls with a triangular matrix, exact in float32 because the partial sums
-   stay small): the global prefix over the blocks;
-3. binary-searches, for every slot ``j < capacity``, the word that holds the
-   ``j``-th selected entry, and finds the entry inside that one word from its
-   bits (``capacity x 32`` integer operations, no gather of data rows);
+2. takes a cumulative sum of the bit counts of groups of 16 words over all
+   vectors (two small matmuls with a triangular matrix, exact in float32
+   because the partial sums stay small): the global prefix over the blocks;
+3. binary-searches, for every slot ``j < capacity``, the group that holds the
+   ``j``-th selected entry, finds its word from the group's 16 bit counts and
+   the entry inside that one word from its bits (``capacity x 48`` integer
+   operations, no gather of data rows);
 4. gathers the ``capacity`` values from the vectors.
 
 A model's leaves are never concatenated (on XLA's CPU backend, copying them
 into one vector costs many passes): only the ``n / 32`` words are. Work is one
-pass over ``n`` plus ``O(n / 32 + capacity * (32 + log n + leaves))``, and
+pass over ``n`` plus ``O(n / 32 + capacity * (48 + log n + leaves))``, and
 every step is a dense vector operation that maps to GPU and TPU as well.
 Entries past the capacity are not sent and are reported as overflow, so an
 error-feedback residual keeps them. Formulations tried and their timings are
@@ -48,6 +49,10 @@ from sidco_jax._src.base import (
 )
 
 _TRI = 64  # width of the triangular matmuls of the cumulative sum
+# Words per group of the global prefix: the prefix and its search run over n / 512
+# groups, not n / 32 words (7% off the payload of 2^24 entries on XLA's CPU backend,
+# docs/benchmarks.md); each slot then finds its word among its group's 16.
+_GROUP = 16
 
 
 def capacity(size: int, ratio: float, capacity_factor: float = 1.0) -> int:
@@ -151,26 +156,38 @@ def select_above(
         return Payload(zeros, jnp.zeros((capacity,), jnp.int32), jnp.int32(0), jnp.int32(0))
     threshold = jnp.asarray(threshold, jnp.float32)
 
-    words, after = [], None
+    words, word_sizes, after = [], [], None
     for v in vectors:
         if v.shape[0]:
-            words.append(passes.block_words(v, threshold.astype(v.dtype), after, inclusive))
-            after = words[-1]
+            w = passes.block_words(v, threshold.astype(v.dtype), after, inclusive)
+            after = w
+            pad = -w.shape[0] % _GROUP  # zero words: each vector starts a group
+            words.append(jnp.pad(w, (0, pad)) if pad else w)
+            word_sizes.append(w.shape[0] + pad)
     words = jnp.concatenate(words) if len(words) > 1 else words[0]
-    cumulative = _cumsum(jax.lax.population_count(words).astype(jnp.int32), passes.WORD)
+    groups = words.reshape(-1, _GROUP)
+    counts = jnp.sum(lax.population_count(groups).astype(jnp.int32), axis=1)
+    cumulative = _cumsum(counts, _GROUP * passes.WORD)
     selected = cumulative[-1]
 
     slot = jnp.arange(1, capacity + 1, dtype=jnp.int32)  # 1-based rank of the entry
-    word_at = jnp.minimum(_searchsorted(cumulative, slot), words.shape[0] - 1)
-    rank = slot - jnp.where(word_at > 0, cumulative[word_at - 1], 0)
+    group_at = jnp.minimum(_searchsorted(cumulative, slot), groups.shape[0] - 1)
+    rank = slot - jnp.where(group_at > 0, cumulative[group_at - 1], 0)
+    # The word of the group that holds it, from the group's own prefix.
+    group = groups[group_at]
+    within = jnp.cumsum(lax.population_count(group).astype(jnp.int32), axis=1)
+    inner = jnp.minimum(jnp.sum(within < rank[:, None], axis=1, dtype=jnp.int32), _GROUP - 1)
+    before = jnp.take_along_axis(within, jnp.maximum(inner - 1, 0)[:, None], axis=1)[:, 0]
+    rank = rank - jnp.where(inner > 0, before, 0)
+    word = jnp.take_along_axis(group, inner[:, None], axis=1)[:, 0]
+    word_at = group_at * _GROUP + inner
     # Position of the rank-th set bit of the word: bits up to each position, counted.
     shift = jnp.arange(passes.WORD, dtype=jnp.uint32)
-    bits = (jnp.right_shift(words[word_at][:, None], shift) & 1).astype(jnp.float32)
+    bits = (jnp.right_shift(word[:, None], shift) & 1).astype(jnp.float32)
     upto = bits @ jnp.triu(jnp.ones((passes.WORD, passes.WORD), jnp.float32))
     column = jnp.sum(upto < rank[:, None].astype(jnp.float32), axis=1, dtype=jnp.int32)
 
     # Word -> first entry it covers: vector i's words start at word_offsets[i].
-    word_sizes = [-(-s // passes.WORD) for s in sizes if s]
     entry_offsets = _offsets([s for s in sizes if s])
     word_offsets = _offsets(word_sizes)
     vector = jnp.searchsorted(jnp.asarray(word_offsets[1:-1], jnp.int32), word_at, side="right")
