@@ -159,11 +159,11 @@ def select_above(
     words, word_sizes, after = [], [], None
     for v in vectors:
         if v.shape[0]:
-            w = passes.block_words(v, threshold.astype(v.dtype), after, inclusive)
+            # Zero words up to a whole group: each vector starts a group.
+            w = passes.block_words(v, threshold.astype(v.dtype), after, inclusive, _GROUP)
             after = w
-            pad = -w.shape[0] % _GROUP  # zero words: each vector starts a group
-            words.append(jnp.pad(w, (0, pad)) if pad else w)
-            word_sizes.append(w.shape[0] + pad)
+            words.append(w)
+            word_sizes.append(w.shape[0])
     words = jnp.concatenate(words) if len(words) > 1 else words[0]
     groups = words.reshape(-1, _GROUP)
     counts = jnp.sum(lax.population_count(groups).astype(jnp.int32), axis=1)
