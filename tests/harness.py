@@ -201,28 +201,27 @@ def quick_first(values) -> list:
     return [v if i == 0 else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
 
 
+def _entry_lines(jitted, args, shape: tuple[int, ...]) -> list[str]:
+    """Lines of the compiled entry computation of ``jitted(*args)`` that name an f32 array
+    of ``shape`` or of its flattened size."""
+    text = jitted.lower(*args).compile().as_text()
+    wanted = (f"f32[{','.join(map(str, shape))}]", f"f32[{math.prod(shape)}]")
+    lines = text[text.index("ENTRY") :].splitlines()
+    return [line for line in lines if any(w in line for w in wanted)]
+
+
 def full_size_copies(jitted, *args, shape: tuple[int, ...]) -> list[str]:
     """Lines of the compiled entry computation of ``jitted(*args)`` that copy an f32 array
     of ``shape``, or of its flattened size."""
-    text = jitted.lower(*args).compile().as_text()
-    entry = text[text.index("ENTRY") :]
-    wanted = (f"f32[{','.join(map(str, shape))}]", f"f32[{math.prod(shape)}]")
-    return [
-        line for line in entry.splitlines() if " copy(" in line and any(w in line for w in wanted)
-    ]
+    return [line for line in _entry_lines(jitted, args, shape) if " copy(" in line]
 
 
 def constant_fills(jitted, *args, shape: tuple[int, ...]) -> list[str]:
     """Lines of the compiled entry computation of ``jitted(*args)`` that fill an f32 array
     of ``shape``, or of its flattened size, from constants alone: written, then read, for
     nothing."""
-    text = jitted.lower(*args).compile().as_text()
-    entry = text[text.index("ENTRY") :]
-    wanted = (f"f32[{','.join(map(str, shape))}]", f"f32[{math.prod(shape)}]")
     fill = re.compile(r"= f32\[[\d,]*\]\S* (fusion|broadcast)\((%constant[\w.]*(, )?)+\)")
-    return [
-        line for line in entry.splitlines() if fill.search(line) and any(w in line for w in wanted)
-    ]
+    return [line for line in _entry_lines(jitted, args, shape) if fill.search(line)]
 
 
 def equations(jaxpr):
