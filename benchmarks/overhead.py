@@ -312,7 +312,11 @@ def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
     """Each compressor's update averaging over 2 devices, under shard_map and pmap.
 
     ``grads`` is one device's gradient; the other device gets it negated and
-    shifted, so the payloads differ. Returns the calls and their argument.
+    shifted, so the payloads differ. Each update runs twice: on the same
+    initial state every call, and ", state donated", carrying its state along
+    with the state donated as the examples' training steps do (see
+    :func:`carried`), so the new residual is written into the old one's
+    buffers instead of fresh ones. Returns the calls and their argument.
     """
     devices = jax.devices()[:2]
     if len(devices) < 2:
@@ -322,6 +326,8 @@ def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
     mesh = jax.make_mesh((2,), ("data",), devices=devices)
     stacked = jax.tree.map(lambda g: jnp.stack([g, 0.5 - g]), grads)
     sharded = jax.device_put(stacked, jax.NamedSharding(mesh, jax.P("data")))
+    # An identity pmap leaves each device's gradient resident where pmap wants it.
+    resident = jax.pmap(lambda g: g, devices=devices)(stacked)
     calls = {}
     for name in names:
         tx = sidco.compressor(name, ratio, axis_name="data")
@@ -329,21 +335,41 @@ def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
         specs = sidco.state_specs(state, "data")
 
         def local(g, state, tx=tx):
-            return tx.update(jax.tree.map(lambda x: x[0], g), state)
+            # The state first: donated, its buffers go to the first outputs of their shape.
+            return tx.update(jax.tree.map(lambda x: x[0], g), state)[::-1]
 
-        step = jax.jit(
-            jax.shard_map(
-                local, mesh=mesh, in_specs=(jax.P("data"), specs), out_specs=(jax.P(), specs)
-            )
+        sharded_update = jax.shard_map(
+            local, mesh=mesh, in_specs=(jax.P("data"), specs), out_specs=(specs, jax.P())
         )
-        calls[f"{name} shard_map"] = lambda g, step=step, state=state: step(g, state)
-
+        pmapped = functools.partial(jax.pmap, axis_name="data", devices=devices)
         per_device = jax.pmap(tx.init, axis_name="data", devices=devices)(stacked)
-        update = jax.pmap(tx.update, axis_name="data", devices=devices)
-        # An identity pmap leaves each device's gradient resident where pmap wants it.
-        resident = jax.pmap(lambda g: g, devices=devices)(stacked)
-        calls[f"{name} pmap"] = lambda g, u=update, s=per_device, r=resident: u(r, s)
+        for suffix, donated in (("", ()), (", state donated", (1,))):
+            step = jax.jit(sharded_update, donate_argnums=donated)
+            update = pmapped(lambda g, s, tx=tx: tx.update(g, s)[::-1], donate_argnums=donated)
+            for how, fn, first in (
+                ("shard_map", step, jax.tree.map(jnp.copy, state)),
+                # pmap reads the gradient already resident on its devices.
+                ("pmap", lambda _, s, u=update: u(resident, s), jax.tree.map(jnp.copy, per_device)),
+            ):
+                calls[f"{name} {how}{suffix}"] = _state_carried(fn, first, bool(donated))
     return calls, (sharded,)
+
+
+def _state_carried(fn, state, carry: bool):
+    """The call of the gradient running ``fn(grads, state) -> (state, update)``.
+
+    With ``carry`` the returned state is passed to the next call (``fn``
+    donates it); without, every call starts from ``state``.
+    """
+    box = [state]
+
+    def call(grads):
+        new, out = fn(grads, box[0])
+        if carry:
+            box[0] = new
+        return out
+
+    return call
 
 
 # ----------------------------------------------------------------------------- output

@@ -67,7 +67,10 @@ def test_phases_kernels_step_and_axis(overhead, tmp_path):
     rows = overhead.main([*argv, "--repeats", "2", "--json", str(path)])
     check(rows, path)
     assert set(rows[0]["ms"]) == {
-        f"{c} {how}" for c in ("sidco-e", "topk", "dense") for how in ("shard_map", "pmap")
+        f"{c} {how}{carried}"
+        for c in ("sidco-e", "topk", "dense")
+        for how in ("shard_map", "pmap")
+        for carried in ("", ", state donated")
     }
 
 
@@ -106,3 +109,36 @@ def test_carried_with_the_gradient_donated_writes_the_update_in_its_buffers(over
         assert given["w"].is_deleted()  # donated: measure() must pass a fresh copy
     assert not grads["w"].is_deleted()
     assert overhead.own_arguments(jax.jit(lambda g: g), (grads,))[0] is grads
+
+
+def test_axis_rows_with_the_state_donated_carry_it_from_call_to_call(overhead):
+    import chex
+    import jax
+    import jax.numpy as jnp
+
+    grads = {"w": jnp.linspace(-1.0, 1.0, 4096), "b": jnp.cos(jnp.arange(512.0))}
+    calls, (sharded,) = overhead.over_axis(grads, 0.01, ["sidco-e"])
+    # The same steps written out plainly: shard_map, the state carried, nothing donated.
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = overhead.sidco.compressor("sidco-e", 0.01, axis_name="data")
+    state = overhead.sidco.shard_init(tx, grads, mesh, "data")
+    specs = overhead.sidco.state_specs(state, "data")
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
+            mesh=mesh,
+            in_specs=(jax.P("data"), specs),
+            out_specs=(jax.P(), specs),
+        )
+    )
+    wants = []
+    for _ in range(3):
+        want, state = step(sharded, state)
+        wants.append(want)
+    assert not jnp.array_equal(wants[0]["w"], wants[2]["w"])  # the residual moves the update
+    for how, replica in (("shard_map", lambda x: x), ("pmap", lambda x: x[0])):
+        carried, fresh = calls[f"sidco-e {how}, state donated"], calls[f"sidco-e {how}"]
+        for want in wants:
+            chex.assert_trees_all_equal(jax.tree.map(replica, carried(sharded)), want)
+            # Without donation every call starts again from the initial state.
+            chex.assert_trees_all_equal(jax.tree.map(replica, fresh(sharded)), wants[0])
