@@ -13,8 +13,8 @@ For every bandwidth, model and compressor it reports the step time and its
 split (compute: forward and backward on the local batch; compression: the
 compressor's update on one device, no communication; communication: the rest
 of the step), the bytes each process put on the wire per step (the veth's own
-counters) and in the compiled collectives (HLO), and speed-ups over dense and
-over top-k. It fits ``step = a + b / bandwidth`` to the median steps across the
+counters) and in the compiled collectives (HLO), and speed-ups over dense,
+top-k and DGC. It fits ``step = a + b / bandwidth`` to the median steps across the
 bandwidths to give the crossover below which each compressor beats dense, and
 can time dense and SIDCo to a target loss.
 
@@ -413,17 +413,26 @@ def speedup(base: dict, row: dict) -> dict:
     }
 
 
+# Speed-ups are reported over these runs: dense, and the two sparsifiers SIDCo is measured
+# against (top-k and DGC at the same ratio).
+BASELINES = {"vs_dense": "dense", "vs_topk": "topk", "vs_dgc": "dgc"}
+
+
 def speedups(rows: list[dict]) -> None:
-    """Adds speed-up over dense and over top-k (same job, bandwidth and ratio) to each row
-    (:func:`speedup`; None where there is no such run)."""
+    """Adds speed-ups over each of :data:`BASELINES` (same job and bandwidth; same ratio but
+    for dense) to each row (:func:`speedup`; None where there is no such run)."""
     for row in rows:
         same = [r for r in rows if (r["job"], r["bandwidth"]) == (row["job"], row["bandwidth"])]
-        dense = next((r for r in same if r["compressor"] == "dense"), None)
-        topk = next(
-            (r for r in same if r["compressor"] == "topk" and r["ratio"] == row["ratio"]), None
-        )
-        row["vs_dense"] = speedup(dense, row) if dense else None
-        row["vs_topk"] = speedup(topk, row) if topk else None
+        for key, name in BASELINES.items():
+            base = next(
+                (
+                    r
+                    for r in same
+                    if r["compressor"] == name and (name == "dense" or r["ratio"] == row["ratio"])
+                ),
+                None,
+            )
+            row[key] = speedup(base, row) if base else None
 
 
 def crossovers(rows: list[dict]) -> list[dict]:
@@ -514,8 +523,8 @@ def tables(rows: list[dict], fits: list[dict], targets: list[dict]) -> str:
             " Times in ms: median (p25-p75); per round: the step's median in each round;"
             " speed-ups: median over rounds of the per-round ratio (lowest-highest round)\n",
             "| bandwidth | ratio | compressor | step | step per round | compute | compression"
-            " | communication | wire bytes/step | HLO bytes | vs dense | vs top-k |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            " | communication | wire bytes/step | HLO bytes | vs dense | vs top-k | vs DGC |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in mine:
             ratio = "-" if r["compressor"] == "dense" else f"{r['ratio']:g}"
@@ -524,7 +533,7 @@ def tables(rows: list[dict], fits: list[dict], targets: list[dict]) -> str:
             lines.append(
                 f"| {r['bandwidth']} | {ratio} | {r['compressor']} | {_spread(r, 'step')} | "
                 f"{per_round} | {parts} | {r['wire_bytes']:,.0f} | {r['hlo_bytes']:,} | "
-                f"{_times(r['vs_dense'])} | {_times(r['vs_topk'])} |"
+                f"{_times(r['vs_dense'])} | {_times(r['vs_topk'])} | {_times(r['vs_dgc'])} |"
             )
     if fits:
         lines += [

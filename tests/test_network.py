@@ -138,7 +138,8 @@ def test_speedups_are_per_round_ratios_so_drift_between_rounds_cancels():
     dense = _row("dense", [[100, 110, 90], [200, 220, 180], [300, 330, 270]])
     topk = _row("topk", [[50, 55, 45], [100, 110, 90], [150, 165, 135]])
     sidco = _row("sidco-e", [[40, 44, 36], [100, 110, 90], [100, 110, 90]])
-    rows = [dense, topk, sidco]
+    dgc = _row("dgc", [[40, 44, 36], [80, 88, 72], [150, 165, 135]])
+    rows = [dense, topk, dgc, sidco]
     network.speedups(rows)
     assert topk["vs_dense"] == {"median": 2.0, "low": 2.0, "high": 2.0, "rounds": [2.0] * 3}
     assert sidco["vs_dense"]["rounds"] == pytest.approx([2.5, 2.0, 3.0])
@@ -146,12 +147,15 @@ def test_speedups_are_per_round_ratios_so_drift_between_rounds_cancels():
     assert (sidco["vs_dense"]["low"], sidco["vs_dense"]["high"]) == pytest.approx((2.0, 3.0))
     assert sidco["vs_topk"]["rounds"] == pytest.approx([1.25, 1.0, 1.5])
     assert dense["vs_topk"]["median"] == pytest.approx(0.5)
+    assert sidco["vs_dgc"]["rounds"] == pytest.approx([1.0, 0.8, 1.5])
+    assert dgc["vs_dgc"]["rounds"] == [1.0] * 3
     for row in rows:
-        for speedup in (row["vs_dense"], row["vs_topk"]):
+        for speedup in (row["vs_dense"], row["vs_topk"], row["vs_dgc"]):
             assert speedup["low"] <= speedup["median"] <= speedup["high"]
     table = network.tables(rows, [], [])
     assert "| 1gbit | 0.01 | sidco-e | 90.0 (44.0-100) | 40.0 / 100 / 100 |" in table
-    assert table.splitlines()[-1].endswith("| 2.50x (2.00-3.00) | 1.25x (1.00-1.50) |")
+    last = "| 2.50x (2.00-3.00) | 1.25x (1.00-1.50) | 1.00x (0.80-1.50) |"
+    assert table.splitlines()[-1].endswith(last)
     assert "3 rounds x 3 steps per compressor" in table
 
 
@@ -250,7 +254,7 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
             assert len(row[f"{part}_rounds_ms"]) == ROUNDS
         assert row["step_ms"] > 0 and row["compute_ms"] > 0
         assert row["wire_bytes"] >= row["hlo_bytes"] > 0  # the payload crossed the veth
-        for speedup in (row["vs_dense"], row["vs_topk"]):
+        for speedup in (row["vs_dense"], row["vs_topk"], row["vs_dgc"]):
             assert speedup is None or speedup["low"] <= speedup["median"] <= speedup["high"]
         assert len(row["vs_dense"]["rounds"]) == ROUNDS
     assert rows["dense"]["vs_dense"]["rounds"] == [1.0] * ROUNDS
@@ -270,7 +274,7 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     assert [run for _, run in blocks] == [run for round_ in first for run in round_]
 
     line = next(x for x in done.stdout.splitlines() if x.startswith("| 100mbit | 0.05 | sidco-e |"))
-    assert re.search(rf"\| {SPEEDUP} \| - \|$", line), line  # vs dense; no top-k here
+    assert re.search(rf"\| {SPEEDUP} \| - \| - \|$", line), line  # vs dense; no top-k, DGC
     assert f"{ROUNDS} rounds x {STEPS} steps per compressor" in done.stdout
     assert _ours() == before
 
