@@ -29,7 +29,8 @@ alike rather than deciding the result:
   starts with one untimed step, which also lines the two processes up; then
   its timed two-process steps; then, in the same block, its local-only timings
   alternating a gradient alone (compute) and the local step with the
-  compressor and no collective (alone).
+  compressor and no collective (alone), on a copy of the compressor state
+  the two-process steps have reached (:meth:`_Run.local_state`).
 - Per compressor, over all ``rounds x steps`` samples: the median and the
   interquartile range (p25-p75) of the step and of each part, and the
   per-round medians of the step (the drift between rounds). The parts are
@@ -210,9 +211,21 @@ class _Run:
             return optax.apply_updates(params, updates), state, loss
 
         self.local_step = local_step
-        state = tx.init(local_params)  # made again per block: one at a time is held
+        state = tx.init(local_params)  # for the compilation; each block takes the run's own
         for _ in range(2):
             jax.block_until_ready(local_step(local_params, state, batch))
+
+    def local_state(self):
+        """A copy of this process's part of the two-process state as training left it.
+
+        The local timings run on it, so they do what the step does now: a compressor
+        state drifts as training goes (SIDCo's stage count climbs to 10 in the first 40
+        steps of ``lm:large`` at ratio 0.001), and a fresh ``init`` would time 3 stages.
+        """
+        import jax
+        import jax.numpy as jnp
+
+        return jax.tree.map(lambda x: jnp.array(x.addressable_data(0), copy=True), self.opt_state)
 
     def step(self) -> float:
         """One two-process step on the next batch; its seconds."""
@@ -225,6 +238,17 @@ class _Run:
             self.trainer.step(self.params, self.opt_state, batch)
         )
         return time.perf_counter() - start
+
+
+def _stages(state) -> int | None:
+    """The stage count of SIDCo's rule in an optimizer state, None for other compressors."""
+    import jax
+
+    import sidco_jax as sidco
+
+    compress = lambda x: isinstance(x, sidco.CompressState)  # noqa: E731
+    rules = [s.rule for s in jax.tree.leaves(state, is_leaf=compress) if compress(s)]
+    return next((int(r.stages) for r in rules if hasattr(r, "stages")), None)
 
 
 def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
@@ -246,7 +270,7 @@ def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
         for name, ratio in spec["runs"]
     ]
     samples = [{"step": [], "compute": [], "alone": []} for _ in runs]
-    sent, started = [0] * len(runs), [[] for _ in runs]
+    sent, started, stages = [0] * len(runs), [[] for _ in runs], [[] for _ in runs]
     executed = []  # what ran, in order: [[compressor, ratio], ...] per round
     for r, indices in enumerate(schedule(len(runs), rounds)):
         executed.append([])
@@ -258,7 +282,8 @@ def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
             before = int(counter.read_text())
             got["step"].append([run.step() for _ in range(steps)])
             sent[i] += int(counter.read_text()) - before
-            state = run.tx.init(local_params)
+            state = run.local_state()
+            stages[i].append(_stages(state))
             jax.block_until_ready(run.local_step(local_params, state, local_batch))
             compute, alone = [], []
             for _ in range(steps):  # adjacent pairs: compression = alone - compute
@@ -275,6 +300,7 @@ def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
             "ratio": run.ratio,
             "samples_s": got,
             "started": started[i],  # wall clock at the start of each round's block
+            "stages": stages[i],  # SIDCo's stage count after each round's steps, else None
             "wire_bytes": sent[i] / (rounds * steps),
             "hlo_bytes": run.trainer.bytes_per_step,
             "loss": float(run.loss.addressable_data(0)),

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+import sidco_jax as sidco
 from benchmarks import network, virtual_link
 
 pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
@@ -258,6 +259,11 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
             assert speedup is None or speedup["low"] <= speedup["median"] <= speedup["high"]
         assert len(row["vs_dense"]["rounds"]) == ROUNDS
     assert rows["dense"]["vs_dense"]["rounds"] == [1.0] * ROUNDS
+    # The local timings ran on the state the steps had reached: SIDCo's stage count is read
+    # from it (the default starts at 3 and stays within [1, max_stages]).
+    assert rows["dense"]["stages"] == [None] * ROUNDS
+    assert len(rows["sidco-e"]["stages"]) == ROUNDS
+    assert all(1 <= s <= sidco.max_stages(0.05) for s in rows["sidco-e"]["stages"])
     assert rows["sidco-e"]["hlo_bytes"] < rows["dense"]["hlo_bytes"] / 4
     assert rows["sidco-e"]["wire_bytes"] < rows["dense"]["wire_bytes"]
 
