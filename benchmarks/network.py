@@ -240,21 +240,12 @@ class _Run:
         return time.perf_counter() - start
 
 
-def _stages(state) -> int | None:
-    """The stage count of SIDCo's rule in an optimizer state, None for other compressors."""
-    import jax
-
-    import sidco_jax as sidco
-
-    compress = lambda x: isinstance(x, sidco.CompressState)  # noqa: E731
-    rules = [s.rule for s in jax.tree.leaves(state, is_leaf=compress) if compress(s)]
-    return next((int(r.stages) for r in rules if hasattr(r, "stages")), None)
-
-
 def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
     """Every run of ``spec``, interleaved round-robin: per-step seconds per run and round."""
     import jax
     import numpy as np
+
+    from benchmarks.overhead import stage_count
 
     steps, rounds = spec["steps"], spec["rounds"]
     device = jax.local_devices()[0]
@@ -283,7 +274,7 @@ def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
             got["step"].append([run.step() for _ in range(steps)])
             sent[i] += int(counter.read_text()) - before
             state = run.local_state()
-            stages[i].append(_stages(state))
+            stages[i].append(stage_count(state))
             jax.block_until_ready(run.local_step(local_params, state, local_batch))
             compute, alone = [], []
             for _ in range(steps):  # adjacent pairs: compression = alone - compute

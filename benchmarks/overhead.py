@@ -18,10 +18,12 @@ median with its interquartile range and ratios taken in the same run.
   the first pass, threshold, payload, aggregation, write-back), each jitted
   alone on the previous phase's outputs, beside the whole update.
 * ``step``: the whole local training step of an example model (gradient +
-  update + ``optax.apply_updates``), against the gradient alone.
+  update + ``optax.apply_updates``), against the gradient alone, after
+  ``--settle`` untimed training steps (SIDCo's stage count moves in training).
 * ``axis``: the whole update over a 2-device mesh axis, under ``jax.shard_map``
   and under ``jax.pmap``, each device holding its own gradient already (run
-  with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` on CPU).
+  with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` on CPU), from
+  the initial state on every call and with the state donated and carried.
 
 Gradients (``--source``): ``flat:L`` is a Student-t(3) vector of 2^L entries
 cut into two flat leaves; ``lm:large``, ``lm:default``, ``cnn:default`` ... are
@@ -280,14 +282,30 @@ def phases(grads, ratio: float) -> dict:
     }
 
 
-def steps(job: str, ratio: float, names: list[str]) -> tuple[dict, tuple]:
-    """The whole local training step of an example model, per compressor, and its arguments."""
+def stage_count(state) -> int | None:
+    """The stage count of SIDCo's rule in an optimizer state; None for other compressors."""
+    compress = lambda x: isinstance(x, sidco.CompressState)  # noqa: E731
+    rules = [s.rule for s in jax.tree.leaves(state, is_leaf=compress) if compress(s)]
+    return next((int(r.stages) for r in rules if hasattr(r, "stages")), None)
+
+
+def steps(job: str, ratio: float, names: list[str], settle: int) -> tuple[dict, tuple, dict]:
+    """The whole local training step of an example model, per compressor, and its arguments.
+
+    Each compressor first trains ``settle`` untimed steps on fresh batches, so that its
+    state is timed as training runs it: SIDCo's stage controller takes the stage count
+    from 3 to 10 within 40 steps of ``lm:large`` at ratio 0.001, and every stage is a
+    pass. Returns the calls, their arguments and the stage count each reached (or None).
+    """
     task, config = example(job)
     params = task.init(config.seed)
-    batch = jax.tree.map(
-        jnp.asarray, task.sample(np.random.default_rng(0), config.batch_per_device)
-    )
+    rng = np.random.default_rng(0)
+    batch = jax.tree.map(jnp.asarray, task.sample(rng, config.batch_per_device))
+    fresh = [
+        jax.tree.map(jnp.asarray, task.sample(rng, config.batch_per_device)) for _ in range(settle)
+    ]
     calls = {"gradient alone": jax.jit(lambda p, s, b: jax.grad(task.loss)(p, b))}
+    stages = {}
     for name in names:
         tx = optax.chain(sidco.compressor(name, ratio), optax.sgd(config.learning_rate))
 
@@ -304,8 +322,11 @@ def steps(job: str, ratio: float, names: list[str]) -> tuple[dict, tuple]:
             box[0], box[1] = step(box[0], box[1], b)
             return box[0]
 
+        for b in fresh:
+            call(None, None, b)
+        stages[name] = stage_count(box[1])
         calls[name] = call
-    return calls, (params, None, batch)
+    return calls, (params, None, batch), stages
 
 
 def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
@@ -433,11 +454,20 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--repeats", type=int, default=9, help="timed runs after warm-up")
     parser.add_argument(
+        "--settle",
+        type=int,
+        default=50,
+        help="step: untimed training steps on fresh batches before timing (default: "
+        "%(default)s), so each compressor's state is timed as training runs it",
+    )
+    parser.add_argument(
         "--json", type=Path, help="where to write the results (default: benchmarks/results/)"
     )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.settle < 0:
+        parser.error("--settle must be at least 0")
 
     rows = []
     for ratio in args.ratios:
@@ -452,11 +482,12 @@ def main(argv=None) -> list[dict]:
             continue
         for source in args.source:
             if args.mode == "step":
-                calls, call_args = steps(source, ratio, args.compressors)
+                calls, call_args, stages = steps(source, ratio, args.compressors, args.settle)
                 ms = measure(calls, call_args, args.repeats)
-                row = {"mode": "step", "source": source, "ratio": ratio}
-                rows.append({**row, "ms": ratio_columns(ms, "dense", None)})
+                row = {"mode": "step", "source": source, "ratio": ratio, "settle": args.settle}
+                rows.append({**row, "ms": ratio_columns(ms, "dense", None), "stages": stages})
                 print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+                print(f"stage counts after {args.settle} steps: {stages}", flush=True)
                 continue
             grads = gradient(source)
             nbytes = 4 * size(grads)

@@ -60,9 +60,10 @@ def test_phases_kernels_step_and_axis(overhead, tmp_path):
     check(rows, path)
     assert {"one pass", "top_k", "sidco-e M=3", "sidco-gp M=1"} <= set(rows[0]["ms"])
     argv = ["step", "--source", "cnn:tiny", "--compressors", "dense", "sidco-e"]
-    rows = overhead.main([*argv, "--repeats", "2", "--json", str(path)])
+    rows = overhead.main([*argv, "--repeats", "2", "--settle", "0", "--json", str(path)])
     check(rows, path)
     assert set(rows[0]["ms"]) == {"gradient alone", "dense", "sidco-e"}
+    assert rows[0]["stages"] == {"dense": None, "sidco-e": 3}  # the default's first count
     argv = ["axis", "--source", "flat:12", "--compressors", "sidco-e", "topk"]
     rows = overhead.main([*argv, "--repeats", "2", "--json", str(path)])
     check(rows, path)
@@ -142,3 +143,27 @@ def test_axis_rows_with_the_state_donated_carry_it_from_call_to_call(overhead):
             chex.assert_trees_all_equal(jax.tree.map(replica, carried(sharded)), want)
             # Without donation every call starts again from the initial state.
             chex.assert_trees_all_equal(jax.tree.map(replica, fresh(sharded)), wants[0])
+
+
+def test_step_times_each_compressor_after_training_it_on_fresh_batches(overhead):
+    import jax
+    import numpy as np
+    import optax
+
+    settle = 30
+    argv = ["step", "--source", "cnn:tiny", "--compressors", "sidco-e", "--repeats", "1"]
+    (row,) = overhead.main([*argv, "--settle", str(settle), "--ratios", "0.001"])
+    # The same training written out: the timed batch is drawn first, then one per step.
+    task, config = overhead.example("cnn:tiny")
+    rng = np.random.default_rng(0)
+    task.sample(rng, config.batch_per_device)
+    tx = optax.chain(overhead.sidco.compressor("sidco-e", 0.001), optax.sgd(config.learning_rate))
+    params = task.init(config.seed)
+    state = tx.init(params)
+    for _ in range(settle):
+        grads = jax.grad(task.loss)(params, task.sample(rng, config.batch_per_device))
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    reached = overhead.stage_count(state)
+    assert reached != 3  # the controller moved: a fresh state would be timed otherwise
+    assert row["settle"] == settle and row["stages"] == {"sidco-e": reached}
