@@ -33,7 +33,7 @@ def test_updates_on_a_tree_and_its_flat_copy(overhead, tmp_path):
     assert [r["source"] for r in rows] == ["lm:tiny (tree)", "lm:tiny (one flat leaf)"]
     for row in rows:
         names = set(row["ms"])
-        fill = {"sidco-e fill", "sidco-p fill"}
+        fill = {"sidco-e fill", "sidco-p fill", "sidco-e, 10 stages fixed"}  # 10 at 0.001
         first = {"sidco-e, update returned first", "topk, update returned first"}
         first |= {f"{c}, gradient donated" for c in ("dense", "sidco-e", "sidco-p", "topk", "dgc")}
         assert {"one pass", "sidco-e threshold+payload"} | set(
