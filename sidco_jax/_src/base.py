@@ -167,6 +167,20 @@ class Rule(NamedTuple):
     observe: ObserveFn = no_observation
 
 
+def cond_on_device(pred, true_fn, false_fn):
+    """``lax.cond(pred, true_fn, false_fn, None)`` for a ``pred`` that may differ across devices.
+
+    Under ``shard_map`` both branches must give outputs that vary across the
+    same devices; ``where(pred, x, x)`` is ``x``, typed to vary as ``pred``
+    does (a replicated or constant output of one branch would not).
+    """
+
+    def varying(fn):
+        return lambda _: jax.tree.map(lambda x: jnp.where(pred, x, x), fn())
+
+    return jax.lax.cond(pred, varying(true_fn), varying(false_fn), None)
+
+
 def empty_init(params: optax.Params) -> optax.EmptyState:
     """A :class:`RuleInitFn` for rules without state."""
     del params

@@ -41,6 +41,7 @@ from sidco_jax._src.base import (
     check_common,
     check_integer,
     check_seed,
+    cond_on_device,
     empty_init,
     is_float,
 )
@@ -264,18 +265,11 @@ def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     capacity = payload.values.shape[0]
     starved = (payload.selected == 0) & (abs_sum > 0)
 
-    def vary(tree):
-        # where(starved, x, x) is x, typed to vary across devices in both
-        # branches (a rule's constant count would not).
-        return jax.tree.map(lambda x: jnp.where(starved, x, x), tree)
-
-    def fill(_):
-        return vary(payload_lib.top_by_count(vectors, capacity))
-
-    def keep(_):
-        return vary((payload, jnp.asarray(chosen.threshold, jnp.float32)))
-
-    payload, eta = lax.cond(starved, fill, keep, None)
+    payload, eta = cond_on_device(
+        starved,
+        lambda: payload_lib.top_by_count(vectors, capacity),
+        lambda: (payload, jnp.asarray(chosen.threshold, jnp.float32)),
+    )
     return chosen._replace(payload=payload, threshold=eta)
 
 
