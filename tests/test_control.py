@@ -156,12 +156,18 @@ def test_fill_fills_where_the_paper_rule_does_not_without_recompiling(rng):
     assert np.sum(np.abs(g) > chosen) >= capacity
     assert float(state.last.density) * g.size == pytest.approx(capacity)
     # The factor moves the bracket's centre: with a factor of 4 it searches
-    # [2, 8] x the fitted threshold instead of [1/2, 2] x, from the same state.
+    # [2, 8] x the fitted threshold instead of [1/2, 2] x, from the same state
+    # (with no last threshold to try first).
     for _ in range(3):
         state = step(state, g)
     etas = [
         float(
-            step(state._replace(rule=state.rule._replace(scale=jnp.float32(s))), g).last.threshold
+            step(
+                state._replace(
+                    rule=state.rule._replace(scale=jnp.float32(s), previous=jnp.float32(0.0))
+                ),
+                g,
+            ).last.threshold
         )
         for s in (0.0, math.log(4.0))
     ]
@@ -181,6 +187,10 @@ def test_fill_factor_is_the_same_on_every_device(rng):
     scales = [copies(s.rule.scale) for s in states]
     assert len({float(x) for x in scales[-1]}) == 1
     assert len({float(s[0]) for s in scales}) > 1  # it moved
+    # The last threshold, tried first by every device, is the devices' mean.
+    previous = [copies(s.rule.previous) for s in states]
+    assert all(len({float(x) for x in p}) == 1 for p in previous)
+    assert float(previous[-1][0]) == pytest.approx(float(copies(states[-1].last.threshold)[0]))
 
 
 @pytest.mark.parametrize("ratio", [0.01, 0.001])
@@ -211,3 +221,42 @@ def test_fill_loses_nothing(rng, estimator):
             jax.tree.map(np.add, grads, old),
         )
         assert float(state.last.density) > 0
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.001])
+def test_fill_tries_the_last_threshold_first_and_refits_only_where_it_misses(rng, ratio):
+    g = rng.standard_t(3, size=50_000).astype(np.float32)
+    tx = sidco.compress(ratio, adaptation="fill", error_feedback=False)
+    capacity = sidco.capacity(g.size, ratio)
+    top = np.sort(np.argsort(-np.abs(g), kind="stable")[:capacity])  # a NumPy oracle
+    magnitudes = np.sort(np.abs(g))[::-1]
+    update = jax.jit(tx.update)
+    fresh = update(g, tx.init(g))[1].last.threshold  # no last threshold: fitted and bracketed
+    for rank, kept in [
+        (2 * capacity, True),  # 2x the capacity pass it: in hand
+        (control.FILL_WIDE * capacity, True),
+        (capacity // 2, False),  # too few: the fit and the bracket
+        (control.FILL_WIDE * capacity + 1, False),  # too many for the wide payload
+    ]:
+        last = magnitudes[rank]  # exactly `rank` entries are above it
+        state = tx.init(g)
+        state = state._replace(rule=state.rule._replace(previous=jnp.float32(last)))
+        sent, state = update(g, state)
+        assert (float(state.last.threshold) == last) == kept
+        if not kept:
+            assert float(state.last.threshold) == float(fresh)
+        # Either way the payload holds the exact top-capacity.
+        np.testing.assert_array_equal(np.flatnonzero(np.asarray(sent)), top)
+
+
+def test_fill_per_leaf_has_no_last_threshold(rng):
+    params = {"w": np.zeros((60, 50), np.float32), "b": np.zeros(300, np.float32)}
+    tx = sidco.compress(0.01, adaptation="fill", granularity="leaf")
+    model = sidco.compress(0.01, adaptation="fill")
+    state, by_model = tx.init(params), model.init(params)
+    for _ in range(3):
+        grads = jax.tree.map(lambda x: rng.standard_t(3, size=x.shape).astype(np.float32), params)
+        state = tx.update(grads, state)[1]
+        by_model = model.update(grads, by_model)[1]
+    assert float(state.rule.previous) == 0.0
+    assert float(by_model.rule.previous) == float(by_model.last.threshold) > 0

@@ -263,6 +263,27 @@ def test_equal_leaves_are_written_without_copies(name):
 
 
 @pytest.mark.parametrize(
+    "options",
+    [{"name": name} for name in sidco.COMPRESSORS]
+    + [{"name": "sidco-e", "adaptation": rule} for rule in (*sidco.RULES, None)]
+    + [{"name": "sidco-e", "warmup_steps": 1}],
+    ids=lambda o: ",".join(f"{v}" for v in o.values()),
+)
+def test_a_fresh_state_can_be_donated(options):
+    # Two leaves of a state sharing one buffer make XLA refuse the donation
+    # ("donate the same buffer twice"): the examples' steps donate the state.
+    options = dict(options)
+    tx = sidco.compressor(options.pop("name"), 0.01, **options)
+    grads = {"a": jnp.linspace(-1.0, 1.0, 4096).reshape(64, 64), "b": jnp.ones(100)}
+    state = tx.init(grads)
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+    assert len(set(pointers)) == len(pointers)
+    step = jax.jit(lambda g, s: tx.update(g, s)[::-1], donate_argnums=1)
+    for _ in range(2):
+        state, _ = step(grads, state)
+
+
+@pytest.mark.parametrize(
     "make",
     [
         lambda: sidco.dense(),
