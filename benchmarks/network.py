@@ -82,12 +82,12 @@ def compressor(label: str, ratio: float, axis_name: str | None):
     over each process's own devices, compressed across the processes (the link).
     The one place this benchmark gets compressors from.
     """
-    import sidco_jax as sidco
+    from benchmarks.overhead import compressor as named  # "sidco-e fill" too
 
     name = label.removesuffix(HIERARCHICAL)
     if label.endswith(HIERARCHICAL) and axis_name is not None:
-        return sidco.compressor(name, ratio, axis_name="node", inner_axis="local")
-    return sidco.compressor(name, ratio, axis_name=axis_name)
+        return named(name, ratio, axis_name="node", inner_axis="local")
+    return named(name, ratio, axis_name=axis_name)
 
 
 def schedule(count: int, rounds: int) -> list[list[int]]:
@@ -713,6 +713,11 @@ def main(argv=None) -> int:
         return 0
     for rate in [*args.bandwidths, args.target_bandwidth]:
         bits_per_second(rate)  # a bad rate fails here, before anything is created
+    from benchmarks.overhead import LABELS
+
+    for label in {*args.compressors, *args.hierarchical, *args.target_compressors}:
+        if label not in LABELS:  # and a bad name here
+            parser.error(f"unknown compressor {label!r}; allowed: {', '.join(LABELS)}")
     reason = unavailable()
     if reason:
         print(f"network benchmark skipped: {reason}")

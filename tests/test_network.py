@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import sidco_jax as sidco
@@ -111,6 +112,26 @@ def _row(compressor: str, step_ms: list[list[float]], compute=1.0, alone=2.0) ->
         },
     }
     return network.summarize(row)
+
+
+def test_unknown_compressors_are_refused_before_anything_is_created(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        network.main(["--compressors", "dense", "sidco-e stear"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown compressor 'sidco-e stear'; allowed: sidco-e, " in err
+    assert ", sidco-e fill," in err
+
+
+def test_runs_may_name_an_adaptation():
+    # "sidco-e fill" is SIDCo-E with adaptation="fill": the payload fills.
+    g = np.random.default_rng(0).standard_t(3, size=10_000).astype(np.float32)
+    sent = {}
+    for label in ("sidco-e fill", "sidco-e"):
+        tx = network.compressor(label, 0.01, None)
+        sent[label] = float(tx.update(g, tx.init(g))[1].last.density)
+    assert sent["sidco-e fill"] == pytest.approx(sidco.capacity(g.size, 0.01) / g.size)
+    assert sent["sidco-e"] != sent["sidco-e fill"]
 
 
 def test_hierarchical_runs_need_several_devices_per_process(capsys):
