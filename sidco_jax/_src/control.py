@@ -18,7 +18,9 @@ looks at the mean of ``achieved / target`` over the window:
 * ``"fill"``: the paper's stage moves, plus two corrections of the threshold
   so that the fixed payload fills and the overflow stays in the residual.
   Within each step, :func:`bracket` moves the fitted threshold to the
-  highest one near it that still selects the capacity (two counting passes).
+  highest one near it that still selects the capacity (two counting passes;
+  SIDCo's rule first tries the last step's threshold, and fits and brackets
+  only where it no longer passes 1 to ``FILL_WIDE`` x the capacity).
   Across steps, :func:`fill` keeps a device-agreed log-space factor on the
   fitted threshold that re-centres the bracket when a step could not fill
   the payload, or selected far more than it holds.

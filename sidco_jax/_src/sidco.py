@@ -177,8 +177,9 @@ def compress(
         ``"paper"`` (default: every ``period`` steps one stage fewer above
         ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
         (reverses after a move that did not help), ``"fill"`` (the paper's
-        moves, plus a per-step bracket around the threshold that fills the
-        payload with its largest entries, at two counting passes a step) or
+        moves, plus a bracket around the threshold that fills the payload with
+        its largest entries, at two counting passes on the steps where the
+        last step's threshold no longer passes 1-4x the capacity) or
         ``None`` (fixed). The default was chosen on training runs under error
         feedback (docs/optax.md, docs/benchmarks.md).
       first_ratio: density targeted by the first of several stages, in (0, 1].
