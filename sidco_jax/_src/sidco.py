@@ -112,12 +112,12 @@ def rule(
             eta = control_lib.bracket(vectors, fitted(), cap)
             return payload_lib.select_above(vectors, eta, width), eta
 
-        if not carry:
+        if carry:
+            wide = payload_lib.select_above(vectors, state.previous, width)
+            in_hand = (state.previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
+            wide, eta = cond_on_device(in_hand, lambda: (wide, state.previous), refit)
+        else:
             wide, eta = refit()
-            return Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
-        wide = payload_lib.select_above(vectors, state.previous, width)
-        in_hand = (state.previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
-        wide, eta = cond_on_device(in_hand, lambda: (wide, state.previous), refit)
         return Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
