@@ -137,6 +137,23 @@ def _searchsorted(sorted_counts: jax.Array, targets: jax.Array) -> jax.Array:
     )
 
 
+def _nth_bit(words: jax.Array, rank: jax.Array) -> jax.Array:
+    """Position of the ``rank``-th (1-based) set bit of each uint32 word.
+
+    A binary search on population counts, halves of 16, 8, 4, 2 and 1 bits:
+    five elementwise steps. Counting the bits below each of the 32 positions
+    instead took 14x as long at 45,000 words on XLA's CPU backend.
+    """
+    position = jnp.zeros(words.shape, jnp.int32)
+    for width in (16, 8, 4, 2, 1):
+        low = lax.population_count(words & jnp.uint32((1 << width) - 1)).astype(jnp.int32)
+        beyond = rank > low
+        rank = jnp.where(beyond, rank - low, rank)
+        words = jnp.where(beyond, jnp.right_shift(words, jnp.uint32(width)), words)
+        position = jnp.where(beyond, position + width, position)
+    return position
+
+
 def select_above(
     vectors: Sequence[jax.Array], threshold: jax.Array, capacity: int, inclusive: bool = False
 ) -> Payload:
@@ -166,26 +183,28 @@ def select_above(
             word_sizes.append(w.shape[0])
     words = jnp.concatenate(words) if len(words) > 1 else words[0]
     groups = words.reshape(-1, _GROUP)
-    counts = jnp.sum(lax.population_count(groups).astype(jnp.int32), axis=1)
-    cumulative = _cumsum(counts, _GROUP * passes.WORD)
+    # Bits set in each group's words up to each word (exact in float32: at most 512).
+    upto = lax.population_count(groups).astype(jnp.float32) @ jnp.triu(
+        jnp.ones((_GROUP, _GROUP), jnp.float32)
+    )
+    upto = upto.astype(jnp.int32)
+    cumulative = _cumsum(upto[:, -1], _GROUP * passes.WORD)
     selected = cumulative[-1]
 
     slot = jnp.arange(1, capacity + 1, dtype=jnp.int32)  # 1-based rank of the entry
     group_at = jnp.minimum(_searchsorted(cumulative, slot), groups.shape[0] - 1)
     rank = slot - jnp.where(group_at > 0, cumulative[group_at - 1], 0)
-    # The word of the group that holds it, from the group's own prefix.
-    group = groups[group_at]
-    within = jnp.cumsum(lax.population_count(group).astype(jnp.int32), axis=1)
-    inner = jnp.minimum(jnp.sum(within < rank[:, None], axis=1, dtype=jnp.int32), _GROUP - 1)
-    before = jnp.take_along_axis(within, jnp.maximum(inner - 1, 0)[:, None], axis=1)[:, 0]
-    rank = rank - jnp.where(inner > 0, before, 0)
-    word = jnp.take_along_axis(group, inner[:, None], axis=1)[:, 0]
-    word_at = group_at * _GROUP + inner
-    # Position of the rank-th set bit of the word: bits up to each position, counted.
-    shift = jnp.arange(passes.WORD, dtype=jnp.uint32)
-    bits = (jnp.right_shift(word[:, None], shift) & 1).astype(jnp.float32)
-    upto = bits @ jnp.triu(jnp.ones((passes.WORD, passes.WORD), jnp.float32))
-    column = jnp.sum(upto < rank[:, None].astype(jnp.float32), axis=1, dtype=jnp.int32)
+    # The word of the group that holds it: a binary search on the group's ``upto``.
+    upto = upto.reshape(-1)
+    first_word = group_at * _GROUP
+    inner, half = jnp.zeros_like(group_at), _GROUP // 2
+    while half:
+        inner = jnp.where(rank > upto[first_word + inner + half - 1], inner + half, inner)
+        half //= 2
+    word_at = first_word + inner
+    rank = rank - jnp.where(inner > 0, upto[jnp.maximum(word_at - 1, 0)], 0)
+    word = groups.reshape(-1)[word_at]
+    column = _nth_bit(word, rank)
 
     # Word -> first entry it covers: vector i's words start at word_offsets[i].
     entry_offsets = _offsets([s for s in sizes if s])
