@@ -1,3 +1,4 @@
+import functools
 import math
 
 import chex
@@ -44,6 +45,34 @@ def test_directional_rule_reverses_after_a_move_that_did_not_help():
     over = {1: 4.0, 2: 2.5, 3: 1.5, 4: 1.1, 5: 1.0, 6: 1.0}.get
     assert run("paper", over, 5, stages=1) == [1, 1, 1, 1, 1]
     assert run("directional", over, 5, stages=1) == [1, 2, 3, 4, 4]
+
+
+def test_stage_rules_average_what_was_sent_not_what_was_selected():
+    # docs/optax.md: the payload caps what is sent at capacity_factor x target,
+    # so with the default factor of 1 a threshold that over-selects reads as on
+    # target and the count only rises; the reference code averages the selection.
+    from sidco_jax._src import sidco as sidco_lib
+    from sidco_jax._src.loop import step_metrics
+
+    n, ratio, capacity = 10_000, 0.01, 100
+    for factor, over_selected_moves_to in ((1.0, 3), (2.0, 2)):
+        rule = sidco_lib.rule(
+            ratio,
+            estimator="exponential",
+            stages=3,
+            adaptation="paper",
+            first_ratio=0.25,
+            capacity_factor=factor,
+            period=1,
+            band=0.2,
+        )
+        figures = functools.partial(
+            step_metrics, ratio, n=n, eta=jnp.float32(1.0), message=0, finite=jnp.bool_(True)
+        )
+        full = figures(round(factor * capacity), 3 * capacity)  # 3x the target selected
+        assert int(rule.observe(rule.init(None), full).stages) == over_selected_moves_to
+        half = figures(capacity // 2, capacity // 2)
+        assert int(rule.observe(rule.init(None), half).stages) == 4
 
 
 def test_partial_window_does_not_decide():
