@@ -345,11 +345,23 @@ def steps(job: str, ratio: float, names: list[str], settle: int) -> tuple[dict, 
     return calls, (params, None, batch), stages
 
 
+def second_device(g: jax.Array) -> jax.Array:
+    """The other device's gradient leaf: ``g`` negated and rolled by half its entries.
+
+    The same magnitudes in other places, so both devices fit the same law and
+    their payloads differ. (A shift such as ``0.5 - g`` turned a model's 1e-5
+    gradients into a near-constant vector that sent nothing above its fitted
+    threshold, and timed the starved-payload fill instead.)
+    """
+    flat = jnp.ravel(g)
+    return -jnp.roll(flat, flat.shape[0] // 2).reshape(g.shape)
+
+
 def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
     """Each compressor's update averaging over 2 devices, under shard_map and pmap.
 
-    ``grads`` is one device's gradient; the other device gets it negated and
-    shifted, so the payloads differ. Each update runs twice: on the same
+    ``grads`` is one device's gradient; the other device gets
+    :func:`second_device`'s, so the payloads differ. Each update runs twice: on the same
     initial state every call, and ", state donated", carrying its state along
     with the state donated as the examples' training steps do (see
     :func:`carried`), so the new residual is written into the old one's
@@ -361,7 +373,7 @@ def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
             "axis mode needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2"
         )
     mesh = jax.make_mesh((2,), ("data",), devices=devices)
-    stacked = jax.tree.map(lambda g: jnp.stack([g, 0.5 - g]), grads)
+    stacked = jax.tree.map(lambda g: jnp.stack([g, second_device(g)]), grads)
     sharded = jax.device_put(stacked, jax.NamedSharding(mesh, jax.P("data")))
     # An identity pmap leaves each device's gradient resident where pmap wants it.
     resident = jax.pmap(lambda g: g, devices=devices)(stacked)

@@ -112,6 +112,20 @@ def test_carried_with_the_gradient_donated_writes_the_update_in_its_buffers(over
     assert overhead.own_arguments(jax.jit(lambda g: g), (grads,))[0] is grads
 
 
+def test_the_second_device_sends_the_same_magnitudes_from_other_places(overhead):
+    import jax.numpy as jnp
+    import numpy as np
+
+    # A model's gradient is tiny: the other device must keep its scale, not be shifted.
+    g = 1e-5 * jnp.asarray(np.random.default_rng(0).standard_t(3, (96, 64)), jnp.float32)
+    other = overhead.second_device(g)
+    assert other.shape == g.shape and other.dtype == g.dtype
+    np.testing.assert_array_equal(np.sort(np.abs(other), None), np.sort(np.abs(g), None))
+    k = 60
+    top = lambda x: set(np.argsort(-np.abs(np.ravel(x)), kind="stable")[:k].tolist())  # noqa: E731
+    assert len(top(g) & top(other)) < k // 4  # the payloads differ
+
+
 def test_axis_rows_with_the_state_donated_carry_it_from_call_to_call(overhead):
     import chex
     import jax
