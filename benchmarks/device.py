@@ -6,8 +6,9 @@ compressor adds to a step: one ``sum(|x|)`` pass (the floor for anything that
 reads the gradient), ``lax.top_k`` and ``lax.approx_max_k`` plus the gather of
 the selected values, SIDCo-E/P/GP (threshold with ``min(3, max_stages)``
 stages + fixed-capacity payload), and the whole jitted optax ``update`` of
-``sidco.compress`` and ``sidco.topk`` (error feedback included; the state is
-built once and reused). Methods run round-robin within each repetition after
+``sidco.compress`` (the default, and ``adaptation="fill"`` on both of its
+paths), ``sidco.dgc`` and ``sidco.topk`` (error feedback included; the state
+is built once and reused). Methods run round-robin within each repetition after
 a warm-up, so that machine noise hits all alike; the table reports the median
 and interquartile range in ms, ratios of medians to ``lax.top_k`` and to the
 one pass, and the achieved density of each SIDCo threshold over the target.
@@ -90,15 +91,39 @@ def methods(n: int, ratio: float) -> dict:
     return out
 
 
+def in_hand(state, x: jax.Array, ratio: float):
+    """``adaptation="fill"``'s state with a last threshold that 2x the capacity of ``x`` pass.
+
+    The update then takes the path of a step whose last threshold is still in
+    hand (no fit, no bracket): a selection 4x the capacity wide and the pick of
+    its largest entries.
+    """
+    rank = 2 * sidco.capacity(x.size, ratio)
+    last = lax.top_k(jnp.abs(x), rank + 1)[0][rank]  # exactly `rank` entries above it
+    return state._replace(rule=state.rule._replace(previous=last))
+
+
 def updates(x: jax.Array, ratio: float) -> dict:
-    """Jitted optax ``update`` on ``{"w": x}``, as functions of ``x`` with a fixed state."""
+    """Jitted optax ``update`` on ``{"w": x}``, as functions of ``x`` with a fixed state.
+
+    SIDCo-E with ``adaptation="fill"`` runs twice: from a fresh state (no last
+    threshold: it fits and brackets on every call) and with a last threshold
+    in hand (see :func:`in_hand`), the two paths a training step takes.
+    """
+    fill = sidco.compress(ratio, adaptation="fill")
     out = {}
-    for name, tx in {
-        "update sidco-e": sidco.compress(ratio),
-        "update topk": sidco.topk(ratio),
-    }.items():
+    for name, tx, prepare in [
+        ("update sidco-e", sidco.compress(ratio), None),
+        ("update sidco-e fill, refit", fill, None),
+        ("update sidco-e fill, in hand", fill, in_hand),
+        ("update dgc", sidco.dgc(ratio), None),
+        ("update topk", sidco.topk(ratio), None),
+    ]:
         update = jax.jit(tx.update)
-        state = jax.block_until_ready(tx.init({"w": x}))
+        state = tx.init({"w": x})
+        if prepare is not None:
+            state = prepare(state, x, ratio)
+        state = jax.block_until_ready(state)
         out[name] = lambda x, update=update, state=state: update({"w": x}, state)
     return out
 

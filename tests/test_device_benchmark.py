@@ -21,6 +21,9 @@ METHODS = [
     "sidco-p",
     "sidco-gp",
     "update sidco-e",
+    "update sidco-e fill, refit",
+    "update sidco-e fill, in hand",
+    "update dgc",
     "update topk",
 ]
 # One real size: compilation dominates (~8 s per row on 2 cores); the loop over
@@ -55,6 +58,28 @@ def test_every_method_for_every_row(run):
             base, floor = row["ms"]["lax.top_k"]["median"], row["ms"]["one pass"]["median"]
             assert row["vs_top_k"][name] == pytest.approx(row["ms"][name]["median"] / base)
             assert row["vs_one_pass"][name] == pytest.approx(row["ms"][name]["median"] / floor)
+
+
+def test_the_fill_rows_time_the_paths_they_name():
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = device.data(13, 0)
+    fns = device.updates(x, RATIO)
+    magnitudes = np.sort(np.abs(np.asarray(x)))[::-1]
+    capacity = device.sidco.capacity(x.size, RATIO)
+    # In hand: the last threshold, which exactly 2x the capacity pass, is kept.
+    kept = fns["update sidco-e fill, in hand"](x)[1].last.threshold
+    assert float(kept) == magnitudes[2 * capacity]
+    # Refit: no last threshold, so the fit and the bracket choose a new one.
+    refit = float(fns["update sidco-e fill, refit"](x)[1].last.threshold)
+    assert refit != magnitudes[2 * capacity] and refit > 0
+    assert capacity <= int(jnp.sum(jnp.abs(x) > refit))
+    # Both send the exact top-capacity.
+    top = np.sort(np.argsort(-np.abs(np.asarray(x)), kind="stable")[:capacity])
+    for name in ("update sidco-e fill, in hand", "update sidco-e fill, refit"):
+        sent = np.asarray(fns[name](x)[0]["w"])
+        np.testing.assert_array_equal(np.flatnonzero(sent), top, err_msg=name)
 
 
 def test_sidco_densities_near_target(run):
