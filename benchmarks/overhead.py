@@ -361,7 +361,7 @@ def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
     """Each compressor's update averaging over 2 devices, under shard_map and pmap.
 
     ``grads`` is one device's gradient; the other device gets
-    :func:`second_device`'s, so the payloads differ. Each update runs twice: on the same
+    :func:`second_device` of it, so the payloads differ. Each update runs twice: on the same
     initial state every call, and ", state donated", carrying its state along
     with the state donated as the examples' training steps do (see
     :func:`carried`), so the new residual is written into the old one's
