@@ -17,6 +17,13 @@ trainer's gradients early (its first captured step) and late (its last).
 ``--runs`` adds the along-a-run view from the trainers' ``results.json``: the
 median achieved/target over all steps under error feedback, and the share of
 steps within [0.5, 2] x target. ``--plot`` draws the spread per compressor.
+
+With ``--tails``, SIDCo's last stage alone on the same vectors: from a
+previous threshold that exactly 2k or 4k entries exceed, how many times ``k``
+the exponential (SIDCo-E) and generalized Pareto (SIDCo-P) final thresholds
+pass, beside the excesses' coefficient of variation (see :func:`final_stage`):
+
+    python -m benchmarks.quality --tails --ratios 0.001 --gradients runs/lm/gradients_sidco-e.npz
 """
 
 import argparse
@@ -28,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sidco_jax as sidco
+from sidco_jax import stats
 
 
 def laws(n: int, seed: int) -> dict[str, np.ndarray]:
@@ -190,6 +198,58 @@ def compare(vectors: dict[str, np.ndarray], ratios: list[float]) -> list[dict]:
     return rows
 
 
+# Exceedances of a perfect next-to-last stage, in multiples of k = ratio * n.
+TAIL_MULTIPLES = (2, 4)
+
+
+def final_stage(x: np.ndarray, ratio: float) -> list[dict]:
+    """How SIDCo's last stage does from a perfect previous one, on the magnitudes of ``x``.
+
+    For each multiple ``m`` of :data:`TAIL_MULTIPLES`, the previous threshold is
+    the magnitude that exactly ``m * k`` entries exceed; the last stage fits
+    the excesses over it (exponential as SIDCo-E, generalized Pareto as SIDCo-P,
+    with the library's own fits) and keeps the ``1 / m`` of them it needs.
+    Reports the excesses' coefficient of variation (1 for an exponential law;
+    larger means a heavier tail) and how many times ``k`` each final threshold
+    passes (1.0 is ideal).
+    """
+    a = np.abs(np.asarray(x, np.float64)).ravel()
+    k = max(int(a.size * ratio), 1)
+    top = np.sort(a)[::-1]
+    out = []
+    for m in TAIL_MULTIPLES:
+        eta = top[m * k]  # exactly m * k entries are above it
+        excess = a[a > eta] - eta
+        count, total, squares = excess.size, float(excess.sum()), float((excess**2).sum())
+        fits = {
+            "sidco-e": stats.exponential_isf(stats.exponential_from_sums(count, total), 1 / m),
+            "sidco-p": stats.gpareto_isf(stats.gpareto_from_sums(count, total, squares), 1 / m),
+        }
+        passes = {name: float(np.sum(a > eta + float(q))) / k for name, q in fits.items()}
+        cv = float(excess.std() / excess.mean())
+        out.append({"multiple": m, "cv": cv, "passes_over_k": passes})
+    return out
+
+
+def tails(vectors: dict[str, np.ndarray], ratios: list[float]) -> list[dict]:
+    """:func:`final_stage` of every vector at every ratio; prints a table."""
+    heads = [f"{m}k: {c}" for m in TAIL_MULTIPLES for c in ("cv", "E passes", "P passes")]
+    print("| gradient | ratio | " + " | ".join(heads) + " |")
+    print("|---|---|" + "---:|" * len(heads))
+    rows = []
+    for name, x in vectors.items():
+        for ratio in ratios:
+            stages = final_stage(x, ratio)
+            rows.append({"gradient": name, "ratio": ratio, "stages": stages})
+            cells = [
+                f"{s['cv']:.2f} | {s['passes_over_k']['sidco-e']:.2f} | "
+                f"{s['passes_over_k']['sidco-p']:.2f}"
+                for s in stages
+            ]
+            print(f"| {name} | {ratio} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log2-n", type=int, default=20)
@@ -201,7 +261,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--gradients", type=Path, nargs="*", default=[], help="captured npz files")
     parser.add_argument("--runs", type=Path, nargs="*", default=[], help="trainers' results.json")
     parser.add_argument("--plot", type=Path, help="PNG of the spread per compressor")
+    parser.add_argument(
+        "--tails", action="store_true", help="SIDCo's last stage from a perfect previous one"
+    )
     args = parser.parse_args(argv)
+    if args.tails:
+        rows = tails({**laws(2**args.log2_n, args.seed), **captured(args.gradients)}, args.ratios)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+        return rows
     if args.compressors:
         vectors = {**laws(2**args.log2_n, args.seed), **captured(args.gradients)}
         rows = compare(vectors, args.ratios)

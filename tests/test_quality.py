@@ -57,3 +57,24 @@ def test_along_a_run_reports_median_and_share_within_half_and_double(tmp_path):
         "median": 1.0,
         "within_half_double": 0.6,
     }
+
+
+def test_the_last_stage_from_a_perfect_previous_one(tmp_path, rng):
+    # An exponential law: the exponential last stage keeps about 1/m of the m*k excesses.
+    # A Pareto tail (alpha 2.5: generalized Pareto excesses of shape 0.4, heavier than
+    # exponential): the exponential over-reaches and passes too few (0.76-0.84k over five
+    # seeds); the generalized Pareto, fitted by moments, stays near k (0.92-0.96k).
+    n, ratio = 2**18, 0.001
+    np.savez(tmp_path / "g.npz", exp=rng.exponential(size=n), pareto=rng.pareto(2.5, size=n))
+    argv = ["--tails", "--log2-n", "12", "--ratios", str(ratio), "--json", str(tmp_path / "t.json")]
+    rows = quality.main([*argv, "--gradients", str(tmp_path / "g.npz")])
+    by_name = {r["gradient"].split(":")[-1]: r["stages"] for r in rows}
+    assert json.loads((tmp_path / "t.json").read_text()) == rows
+    assert [s["multiple"] for s in by_name["exp"]] == list(quality.TAIL_MULTIPLES)
+    for stage in by_name["exp"]:
+        assert stage["cv"] == pytest.approx(1.0, abs=0.15)
+        assert stage["passes_over_k"]["sidco-e"] == pytest.approx(1.0, abs=0.1)
+    for stage in by_name["pareto"]:
+        assert stage["cv"] > 1.25
+        assert stage["passes_over_k"]["sidco-e"] < 0.9
+        assert stage["passes_over_k"]["sidco-p"] == pytest.approx(1.0, abs=0.15)
