@@ -9,6 +9,7 @@ from harness import quick_first
 from scipy import stats
 
 import sidco_jax as sidco
+from sidco_jax._src import thresholds
 
 
 def achieved(x, eta, ratio):
@@ -65,6 +66,91 @@ def test_multi_stage_fixes_what_one_stage_misses(samples, estimator, law):
     # How far from the target, in log terms; selecting nothing is infinitely far.
     miss = [math.inf if a == 0 else abs(math.log(a)) for a in (single, multi)]
     assert miss[0] > miss[1], (single, multi)
+
+
+def sampled_part(v):
+    """A NumPy copy of what a sampled stage reads of ``v``, and the weight of each entry."""
+    period = thresholds.SAMPLE_EVERY * thresholds.SAMPLE_BLOCK
+    periods = v.size // period
+    if periods < thresholds.SAMPLE_MIN:
+        return v, 1.0
+    part = v[: periods * period].reshape(periods, thresholds.SAMPLE_EVERY, -1)[:, 0].ravel()
+    return part, v.size / part.size
+
+
+def three_stage_exponential(vectors, ratio, first, sample):
+    """SIDCo-E with three stages in float64; the middle one reads ``sample(v)`` of each vector."""
+    a = [np.abs(v).astype(np.float64) for v in vectors]
+    every = np.concatenate(a)
+    n = every.size
+    eta = every.mean() * math.log(1 / first)
+    count = total = 0.0
+    for part, weight in map(sample, a):
+        count += weight * np.sum(part > eta)
+        total += weight * np.sum(np.maximum(part - eta, 0.0))
+    middle = first * math.sqrt(ratio / first)  # the target density after stage 2
+    eta = eta + total / count * math.log(count / (n * middle))
+    excess = every[every > eta] - eta
+    return eta + excess.mean() * math.log(excess.size / (n * ratio))
+
+
+def test_middle_stages_read_a_sample_as_a_numpy_oracle_does(rng):
+    period = thresholds.SAMPLE_EVERY * thresholds.SAMPLE_BLOCK
+    # A vector sampled (with a tail the sample leaves out) and one too short to sample.
+    long = rng.standard_t(3, size=(thresholds.SAMPLE_MIN + 4) * period + 777)
+    short = rng.standard_t(3, size=(thresholds.SAMPLE_MIN - 1) * period)
+    ratio, first = 0.001, 0.25
+    want = three_stage_exponential([long, short], ratio, first, sampled_part)
+    every_entry = three_stage_exponential([long, short], ratio, first, lambda v: (v, 1.0))
+    vectors = [jnp.asarray(v, jnp.float32) for v in (long, short)]
+    got = jax.jit(lambda x: sidco.threshold(x, ratio, stages=3, first_ratio=first))(vectors)
+    # The last stage corrects most of what the sample changes, so the two oracles
+    # differ by 3e-4: the tolerance is well inside that.
+    assert abs(want / every_entry - 1) > 1e-4
+    assert float(got) == pytest.approx(want, rel=2e-5)
+    with thresholds.every_stage_whole():  # the switch the benchmarks compare with
+        got = jax.jit(lambda x: sidco.threshold(x, ratio, stages=3, first_ratio=first))(vectors)
+    assert float(got) == pytest.approx(every_entry, rel=2e-5)
+
+
+def test_the_sample_stands_for_kernels_whose_rows_are_a_power_of_two_long(rng):
+    # The first 1024 of 8192 columns are ten times larger: a block period that divides
+    # the row length would read the same columns of every row.
+    kernel = rng.laplace(size=(256, 8192))
+    kernel[:, :1024] *= 10.0
+    v = jnp.asarray(kernel.ravel(), jnp.float32)
+    eta = float(np.quantile(np.abs(kernel), 0.9))
+
+    def estimated_count():
+        ((part, weight),) = thresholds.block_sample([v])
+        assert part.size < v.size / 7  # a sample, not the whole vector
+        return weight * float(jnp.sum(jnp.abs(part) > eta))
+
+    exact = float(np.sum(np.abs(kernel) > eta))
+    # The block starts step 128 columns back per period, so 64 periods cycle through
+    # the row; the 4 periods past the last full cycle fall on the large columns
+    # and leave about 6% too many (the last stage, which reads everything, aims
+    # from the exact count).
+    assert estimated_count() == pytest.approx(exact, rel=0.1)
+    # The same blocks at a power-of-two period miss the large columns' share.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(thresholds, "SAMPLE_BLOCK", 1024)
+        assert abs(estimated_count() / exact - 1) > 0.5
+
+
+@pytest.mark.parametrize("estimator", ["exponential", "gpareto"])
+def test_sampled_middle_stages_land_where_whole_ones_do(rng, estimator):
+    x = [jnp.asarray(rng.standard_t(3, size=2**20), jnp.float32) for _ in range(2)]
+    ratio = 0.001
+
+    def density(stages):
+        eta = jax.jit(lambda x: sidco.threshold(x, ratio, estimator=estimator, stages=stages))(x)
+        return sum(achieved(v, eta, ratio) for v in x) / len(x)
+
+    sampled = {stages: density(stages) for stages in (5, 10)}
+    with thresholds.every_stage_whole():
+        for stages, got in sampled.items():
+            assert got == pytest.approx(density(stages), rel=0.05), stages
 
 
 def test_stage_count_is_traced_without_retracing(rng):

@@ -7,7 +7,7 @@ exponential for SIDCo-E) and moves the threshold further into the tail. Every
 statistic is a full-length masked reduction (:mod:`sidco_jax._src.passes`), so
 shapes never depend on the data, and the stage count may be a traced integer.
 
-Two choices differ from the reference code, both on purpose:
+Three choices differ from the reference code, all on purpose:
 
 * The excesses of a stage are measured from the previous threshold rather
   than from the smallest exceedance. This is the textbook peak-over-threshold
@@ -17,9 +17,15 @@ Two choices differ from the reference code, both on purpose:
   ``n * ratio_i / count`` of the current exceedances (``ratio_i`` the target
   density after stage ``i``) instead of a fixed fraction ``ds``, so an error
   of an earlier stage is corrected rather than compounded.
+* That correction lets every later stage but the last fit a fixed sample of
+  the entries (one block in eight of each long vector, see
+  :func:`block_sample`): the last stage reads every entry and aims at the
+  target from the exact count, so ten stages cost about three passes, not ten.
 """
 
+import contextlib
 import math
+import sys
 from collections.abc import Callable
 
 import jax
@@ -33,6 +39,7 @@ from sidco_jax._src.base import (
     check_estimator,
     check_integer,
     check_ratio,
+    cond_on_device,
     float_vectors,
 )
 
@@ -110,20 +117,71 @@ _FIRST: dict[str, Callable] = {
 }
 
 
-def _next_stage(x, eta, scale, q_total, estimator):
-    """One peak-over-threshold refinement of ``eta`` (in units of ``scale``)."""
-    n = passes.size(x)
+# Every later stage but the last fits a sample of each long vector: the first
+# SAMPLE_BLOCK entries of every SAMPLE_EVERY x SAMPLE_BLOCK (a shorter tail is
+# left out). Those stages only choose where the next one starts, and each stage
+# aims at the final count from its own count of what passes, so the last stage,
+# which reads every entry, puts the result on target: sampled and whole, the
+# thresholds passed within 3% of each other on the LSTM's gradients
+# (docs/benchmarks.md). A sampled stage cost a quarter of a pass. The period,
+# 8,064 entries, is no power of two, so in a kernel whose rows are a power of
+# two long the blocks fall at many column offsets, not always the same ones.
+# Vectors shorter than SAMPLE_MIN periods are read whole: they cost little, and
+# their sample would be small.
+SAMPLE_EVERY = 8
+SAMPLE_BLOCK = 1008
+SAMPLE_MIN = 16
+
+
+def block_sample(x: list[jax.Array]) -> list[tuple[jax.Array, float]]:
+    """``(part, weight)`` for each 1-D vector of ``x``: what a sampled stage reads
+    of it, and how many of its entries each entry read stands for."""
+    period = SAMPLE_EVERY * SAMPLE_BLOCK
+    out = []
+    for v in x:
+        periods = v.shape[0] // period
+        if periods < SAMPLE_MIN:
+            out.append((v, 1.0))
+        else:
+            part = v[: periods * period].reshape(periods, SAMPLE_EVERY, SAMPLE_BLOCK)[:, 0]
+            out.append((part, v.shape[0] / part.size))
+    return out
+
+
+@contextlib.contextmanager
+def every_stage_whole():
+    """Within it, thresholds trace with every stage reading every entry (for
+    benchmarks and tests that compare; a function jitted inside keeps it)."""
+    global SAMPLE_MIN
+    saved, SAMPLE_MIN = SAMPLE_MIN, sys.maxsize
+    try:
+        yield
+    finally:
+        SAMPLE_MIN = saved
+
+
+def _next_stage(parts, eta, scale, q_total, estimator, n):
+    """One peak-over-threshold refinement of ``eta`` (in units of ``scale``).
+
+    ``parts``: ``(array, weight)`` pairs whose weighted statistics stand for
+    all ``n`` entries (:func:`block_sample`, or every vector with weight 1).
+    """
     inv = 1.0 / scale
     terms = [_excess]
     if estimator != "exponential":
         terms.append(lambda v, z, s, e: _excess(v, z, s, e) ** 2)
-    # One pass: the exceedances' count and sums together.
-    count, sums = passes.count_and_sums(x, eta * scale, terms, [inv, eta], after=eta)
+    # One pass per part: the exceedances' count and sums together.
+    count, sums, after = jnp.zeros((), jnp.float32), [0.0] * len(terms), eta
+    for part, weight in parts:
+        c, ss = passes.count_and_sums(part, eta * scale, terms, [inv, eta], after=after)
+        after = ss[-1]
+        count = count + weight * c.astype(jnp.float32)
+        sums = [a + weight * b for a, b in zip(sums, ss, strict=True)]
     if estimator == "exponential":
         fit, isf = fits.exponential_from_sums(count, sums[0]), fits.exponential_isf
     else:
         fit, isf = fits.gpareto_from_sums(count, *sums), fits.gpareto_isf
-    q = jnp.minimum(q_total * n / jnp.maximum(count, 1).astype(jnp.float32), 1.0)
+    q = jnp.minimum(q_total * n / jnp.maximum(count, 1.0), 1.0)
     new = eta + isf(fit, q)
     keep = (count > 1) & jnp.isfinite(new) & (new >= eta)
     return jnp.where(keep, new, eta)
@@ -140,8 +198,10 @@ def threshold(
     """The magnitude threshold that about ``ratio`` of the entries of ``x`` exceed.
 
     Pure and jittable; costs one pass over ``x`` for the first stage (two for
-    ``"gpareto"``, three for ``"gamma"``) and one per later stage (its count
-    and sums in one variadic reduction).
+    ``"gpareto"``, three for ``"gamma"``), one for the last stage (its count
+    and sums in one variadic reduction) and about a quarter of one for each
+    stage in between, which reads one block in eight of each vector of at
+    least 129,024 entries.
 
     Args:
       x: array of any shape and float dtype, or a pytree of them (a gradient
@@ -213,10 +273,13 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
     # Equal density per later stage: ratio_i = first_ratio * ds**i.
     log_ds = jnp.log(ratio / first_ratio) / jnp.maximum(later, 1).astype(jnp.float32)
 
-    def body(i, eta):
+    def stage(i, eta, parts):
         q_total = first_ratio * jnp.exp(log_ds * (i + 1).astype(jnp.float32))
-        return _next_stage(x, eta, scale, q_total, estimator)
+        return _next_stage(parts, eta, scale, q_total, estimator, n)
 
-    eta = lax.fori_loop(0, later, body, eta)
+    sample = block_sample(x)
+    eta = lax.fori_loop(0, later - 1, lambda i, eta: stage(i, eta, sample), eta)
+    last = lambda: stage(later - 1, eta, [(v, 1.0) for v in x])  # noqa: E731
+    eta = cond_on_device(later > 0, last, lambda: eta)
     eta = jnp.where(jnp.isfinite(total), eta * scale, jnp.inf)
     return jnp.where(valid, eta, jnp.nan)
