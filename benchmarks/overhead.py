@@ -237,6 +237,14 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
     for label, tx in txs.items():
         calls[label], jitted = carried(tx.update, tx.init(grads))
         memory[label] = temp_bytes(jitted, grads, tx.init(grads))
+    # The same with the middle stages reading every entry, not a sample: compiled here,
+    # inside the switch, by one call.
+    label = f"sidco-e, {most} stages fixed, every stage whole"
+    tx = txs[f"sidco-e, {most} stages fixed"]
+    with thresholds.every_stage_whole():
+        calls[label], jitted = carried(tx.update, tx.init(grads))
+        memory[label] = temp_bytes(jitted, grads, tx.init(grads))
+        jax.block_until_ready(calls[label](grads))
     # The pitfall of carried's docstring, measured: jax.jit(tx.update) donating the state.
     for name in ("sidco-e", "topk"):
         tx = sidco.compressor(name, ratio)

@@ -24,9 +24,17 @@ the exponential (SIDCo-E) and generalized Pareto (SIDCo-P) final thresholds
 pass, beside the excesses' coefficient of variation (see :func:`final_stage`):
 
     python -m benchmarks.quality --tails --ratios 0.001 --gradients runs/lm/gradients_sidco-e.npz
+
+With ``--sampled``, the thresholds as the library computes them (the stages
+between the first and the last fit one block in eight of each long vector)
+beside the same thresholds with every stage reading every entry, on the same
+vectors, for each estimator and stage count of ``--stages``:
+
+    python -m benchmarks.quality --sampled --ratios 0.001 --stages 3 5 10 --log2-n 23
 """
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -36,6 +44,7 @@ import numpy as np
 
 import sidco_jax as sidco
 from sidco_jax import stats
+from sidco_jax._src import thresholds
 
 
 def laws(n: int, seed: int) -> dict[str, np.ndarray]:
@@ -250,6 +259,42 @@ def tails(vectors: dict[str, np.ndarray], ratios: list[float]) -> list[dict]:
     return rows
 
 
+def sampled(vectors: dict[str, np.ndarray], ratios: list[float], stages: list[int]) -> list[dict]:
+    """achieved / target of the library's thresholds and of the all-whole ones, and the ratio
+    of the two thresholds; prints a table of the densities."""
+    columns = [(e, m) for e in sidco.ESTIMATORS for m in stages]
+    heads = [f"{e} M={m}: sampled, whole" for e, m in columns]
+    print("| gradient | ratio | " + " | ".join(heads) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    rows = []
+    for name, x in vectors.items():
+        x = jnp.asarray(x, jnp.float32).ravel()
+        for ratio in ratios:
+            got = {}
+            for e, m in columns:
+                etas = []
+                for whole in (False, True):
+                    with thresholds.every_stage_whole() if whole else contextlib.nullcontext():
+                        # A fresh function traces with the current SAMPLE_MIN.
+                        etas.append(
+                            jax.jit(
+                                lambda x, e=e, m=m, r=ratio: sidco.threshold(
+                                    x, r, estimator=e, stages=m
+                                )
+                            )(x)
+                        )
+                density = [float(jnp.mean(jnp.abs(x) > eta)) / ratio for eta in etas]
+                got[f"{e} M={m}"] = {
+                    "sampled": density[0],
+                    "whole": density[1],
+                    "threshold_ratio": float(etas[0] / etas[1]),
+                }
+            rows.append({"gradient": name, "ratio": ratio, "achieved_over_target": got})
+            cells = [f"{v['sampled']:.3f}, {v['whole']:.3f}" for v in got.values()]
+            print(f"| {name} | {ratio} | " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log2-n", type=int, default=20)
@@ -264,7 +309,16 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--tails", action="store_true", help="SIDCo's last stage from a perfect previous one"
     )
+    parser.add_argument(
+        "--sampled", action="store_true", help="sampled middle stages against all-whole ones"
+    )
     args = parser.parse_args(argv)
+    if args.sampled:
+        vectors = {**laws(2**args.log2_n, args.seed), **captured(args.gradients)}
+        rows = sampled(vectors, args.ratios, args.stages)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+        return rows
     if args.tails:
         rows = tails({**laws(2**args.log2_n, args.seed), **captured(args.gradients)}, args.ratios)
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ def test_updates_on_a_tree_and_its_flat_copy(overhead, tmp_path):
     for row in rows:
         names = set(row["ms"])
         fill = {"sidco-e fill", "sidco-p fill", "sidco-e, 10 stages fixed"}  # 10 at 0.001
+        fill |= {"sidco-e, 10 stages fixed, every stage whole"}
         first = {"sidco-e, update returned first", "topk, update returned first"}
         first |= {f"{c}, gradient donated" for c in ("dense", "sidco-e", "sidco-p", "topk", "dgc")}
         assert {"one pass", "sidco-e threshold+payload"} | set(

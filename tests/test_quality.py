@@ -78,3 +78,22 @@ def test_the_last_stage_from_a_perfect_previous_one(tmp_path, rng):
         assert stage["cv"] > 1.25
         assert stage["passes_over_k"]["sidco-e"] < 0.9
         assert stage["passes_over_k"]["sidco-p"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_sampled_middle_stages_beside_whole_ones(tmp_path, rng):
+    # The laws at 2^12 entries are too short to sample: both columns are the same
+    # thresholds. The captured Laplace vector (32 periods) is sampled: close, not equal.
+    np.savez(tmp_path / "g.npz", laplace=rng.laplace(size=2**18))
+    argv = ["--sampled", "--log2-n", "12", "--ratios", "0.01", "--stages", "3"]
+    argv += ["--json", str(tmp_path / "s.json"), "--gradients", str(tmp_path / "g.npz")]
+    rows = quality.main(argv)
+    assert json.loads((tmp_path / "s.json").read_text()) == rows
+    for row in rows:
+        assert set(row["achieved_over_target"]) == {f"{e} M=3" for e in quality.sidco.ESTIMATORS}
+        for got in row["achieved_over_target"].values():
+            if row["gradient"].endswith(":laplace"):
+                assert got["threshold_ratio"] != 1.0
+                assert got["threshold_ratio"] == pytest.approx(1.0, rel=0.01)
+                assert got["sampled"] == pytest.approx(1.0, abs=0.1)
+            else:
+                assert got["threshold_ratio"] == 1.0
