@@ -9,7 +9,8 @@ median with its interquartile range and ratios taken in the same run.
   ``jnp.nonzero(size=capacity)`` payload and one ``sum(|x|)`` pass.
 * ``updates``: the whole ``jax.jit(tx.update)`` of every registered compressor
   and of SIDCo-E/P with ``adaptation="fill"`` and SIDCo-E with its stage count
-  fixed at ``max_stages(ratio)`` (error feedback, selection,
+  fixed at ``max_stages(ratio)``, also with every stage reading every entry
+  (the middle stages fit a sample otherwise) (error feedback, selection,
   write-back, metrics), on a gradient *tree* and on
   the same gradient as one flat leaf, with SIDCo-E's bare threshold + payload
   and one pass over the gradient for scale, and the compiled temporary bytes
@@ -20,7 +21,9 @@ median with its interquartile range and ratios taken in the same run.
   alone on the previous phase's outputs, beside the whole update.
 * ``step``: the whole local training step of an example model (gradient +
   update + ``optax.apply_updates``), against the gradient alone, after
-  ``--settle`` untimed training steps (SIDCo's stage count moves in training).
+  ``--settle`` untimed training steps (SIDCo's stage count moves in training);
+  with ``--whole`` each SIDCo compressor again with every stage reading every
+  entry.
 * ``axis``: the whole update over a 2-device mesh axis, under ``jax.shard_map``
   and under ``jax.pmap``, each device holding its own gradient already (run
   with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` on CPU), from
@@ -40,6 +43,7 @@ real gradients of the examples' models (their parameter trees).
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -313,13 +317,17 @@ def stage_count(state) -> int | None:
     return next((int(r.stages) for r in rules if hasattr(r, "stages")), None)
 
 
-def steps(job: str, ratio: float, names: list[str], settle: int) -> tuple[dict, tuple, dict]:
+def steps(
+    job: str, ratio: float, names: list[str], settle: int, whole: list[str] = ()
+) -> tuple[dict, tuple, dict]:
     """The whole local training step of an example model, per compressor, and its arguments.
 
     Each compressor first trains ``settle`` untimed steps on fresh batches, so that its
     state is timed as training runs it: SIDCo's stage controller takes the stage count
     from 3 to 10 within 40 steps of ``lm:large`` at ratio 0.001, and every stage is a
-    pass. Returns the calls, their arguments and the stage count each reached (or None).
+    pass. The compressors of ``whole`` are timed again as ``<name>, every stage whole``,
+    compiled with every threshold stage reading every entry. Returns the calls, their
+    arguments and the stage count each reached (or None).
     """
     task, config = example(job)
     params = task.init(config.seed)
@@ -330,7 +338,7 @@ def steps(job: str, ratio: float, names: list[str], settle: int) -> tuple[dict, 
     ]
     calls = {"gradient alone": jax.jit(lambda p, s, b: jax.grad(task.loss)(p, b))}
     stages = {}
-    for name in names:
+    for name, label in [*((n, n) for n in names), *((n, f"{n}, every stage whole") for n in whole)]:
         tx = optax.chain(compressor(name, ratio), optax.sgd(config.learning_rate))
 
         @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -346,10 +354,12 @@ def steps(job: str, ratio: float, names: list[str], settle: int) -> tuple[dict, 
             box[0], box[1] = step(box[0], box[1], b)
             return box[0]
 
-        for b in fresh:
-            call(None, None, b)
-        stages[name] = stage_count(box[1])
-        calls[name] = call
+        # The first call compiles the step, inside the switch for the all-whole rows.
+        with thresholds.every_stage_whole() if label != name else contextlib.nullcontext():
+            for b in fresh or [batch]:
+                call(None, None, b)
+        stages[label] = stage_count(box[1])
+        calls[label] = call
     return calls, (params, None, batch), stages
 
 
@@ -490,6 +500,12 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--repeats", type=int, default=9, help="timed runs after warm-up")
     parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="step: time each SIDCo compressor again with every threshold stage reading "
+        "every entry (the middle stages fit a sample otherwise)",
+    )
+    parser.add_argument(
         "--settle",
         type=int,
         default=50,
@@ -518,7 +534,10 @@ def main(argv=None) -> list[dict]:
             continue
         for source in args.source:
             if args.mode == "step":
-                calls, call_args, stages = steps(source, ratio, args.compressors, args.settle)
+                whole = [c for c in args.compressors if c.startswith("sidco")] if args.whole else []
+                calls, call_args, stages = steps(
+                    source, ratio, args.compressors, args.settle, whole
+                )
                 ms = measure(calls, call_args, args.repeats)
                 row = {"mode": "step", "source": source, "ratio": ratio, "settle": args.settle}
                 rows.append({**row, "ms": ratio_columns(ms, "dense", None), "stages": stages})

@@ -166,8 +166,8 @@ def test_step_times_each_compressor_after_training_it_on_fresh_batches(overhead)
     import optax
 
     settle = 30
-    argv = ["step", "--source", "cnn:tiny", "--compressors", "sidco-e", "--repeats", "1"]
-    (row,) = overhead.main([*argv, "--settle", str(settle), "--ratios", "0.001"])
+    argv = ["step", "--source", "cnn:tiny", "--compressors", "sidco-e", "dgc", "--repeats", "1"]
+    (row,) = overhead.main([*argv, "--settle", str(settle), "--ratios", "0.001", "--whole"])
     # The same training written out: the timed batch is drawn first, then one per step.
     task, config = overhead.example("cnn:tiny")
     rng = np.random.default_rng(0)
@@ -181,4 +181,7 @@ def test_step_times_each_compressor_after_training_it_on_fresh_batches(overhead)
         params = optax.apply_updates(params, updates)
     reached = overhead.stage_count(state)
     assert reached != 3  # the controller moved: a fresh state would be timed otherwise
-    assert row["settle"] == settle and row["stages"] == {"sidco-e": reached}
+    # The all-whole row trains the same way (the CNN's leaves are too short to sample).
+    want = {"sidco-e": reached, "sidco-e, every stage whole": reached, "dgc": None}
+    assert row["settle"] == settle and row["stages"] == want
+    assert set(row["ms"]) == {"gradient alone", *want}
