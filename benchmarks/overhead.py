@@ -324,10 +324,11 @@ def steps(
 
     Each compressor first trains ``settle`` untimed steps on fresh batches, so that its
     state is timed as training runs it: SIDCo's stage controller takes the stage count
-    from 3 to 10 within 40 steps of ``lm:large`` at ratio 0.001, and every stage is a
-    pass. The compressors of ``whole`` are timed again as ``<name>, every stage whole``,
-    compiled with every threshold stage reading every entry. Returns the calls, their
-    arguments and the stage count each reached (or None).
+    from 3 to 10 within 40 steps of ``lm:large`` at ratio 0.001, and every stage costs
+    (a pass, or about a quarter of one for a sampled middle stage). The compressors of
+    ``whole`` are timed again as ``<name>, every stage whole``, compiled with every
+    threshold stage reading every entry. Returns the calls, their arguments and the
+    stage count each reached (or None).
     """
     task, config = example(job)
     params = task.init(config.seed)

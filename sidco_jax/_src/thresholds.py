@@ -4,8 +4,9 @@ Stage 1 fits the chosen law to all magnitudes and takes the threshold that a
 fraction ``first_ratio`` exceeds; each later stage fits the excesses over the
 previous threshold (peak over threshold: a generalized Pareto law, or the
 exponential for SIDCo-E) and moves the threshold further into the tail. Every
-statistic is a full-length masked reduction (:mod:`sidco_jax._src.passes`), so
-shapes never depend on the data, and the stage count may be a traced integer.
+statistic is a masked reduction over a fixed set of entries (all of them, or a
+fixed sample; :mod:`sidco_jax._src.passes`), so shapes never depend on the
+data, and the stage count may be a traced integer.
 
 Three choices differ from the reference code, all on purpose:
 
