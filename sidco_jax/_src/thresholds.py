@@ -21,7 +21,7 @@ Three choices differ from the reference code, all on purpose:
 * That correction lets every later stage but the last fit a fixed sample of
   the entries (one block in eight of each long vector, see
   :func:`block_sample`): the last stage reads every entry and aims at the
-  target from the exact count, so ten stages cost about three passes, not ten.
+  target from the exact count, so ten stages cost about four passes, not ten.
 """
 
 import contextlib
