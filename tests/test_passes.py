@@ -38,3 +38,19 @@ def test_count_above_counts_every_vector(rng, sizes):
         [jnp.asarray(x) for x in xs]
     )
     assert int(count) == sum(int(np.sum(np.abs(x) > 0.5)) for x in xs)
+
+
+# Row widths are 128 for one sum and 16 for two: sizes below, on and past them.
+@pytest.mark.parametrize("sizes", [[5], [128, 16 * 9 + 3], [128 * 40 + 77, 0, 1]])
+@pytest.mark.parametrize("sums", [1, 2])
+def test_count_and_sums_match_numpy_over_awkward_sizes(rng, sizes, sums):
+    xs = [rng.standard_normal(s).astype(np.float32) for s in sizes]
+    excess = lambda v, zero, t: jnp.maximum(jnp.abs(v) - t, zero)  # noqa: E731
+    terms = [excess, lambda v, zero, t: excess(v, zero, t) ** 2][:sums]
+    count, got = jax.jit(
+        lambda vs: passes.count_and_sums(vs, jnp.float32(0.5), terms, [jnp.float32(0.5)])
+    )([jnp.asarray(x) for x in xs])
+    v = np.abs(np.concatenate(xs).astype(np.float64))
+    assert int(count) == int(np.sum(v > 0.5))
+    want = [np.sum(np.maximum(v - 0.5, 0)), np.sum(np.maximum(v - 0.5, 0) ** 2)][:sums]
+    np.testing.assert_allclose(got, want, rtol=1e-5)

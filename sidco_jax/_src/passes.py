@@ -160,8 +160,9 @@ def _row_sums(
     output together (separate passes cost about twice as much on XLA's CPU
     backend), then the rows are summed; each output keeps its own dtype. The
     best width depends on the number of outputs: on jax 0.10's CPU backend
-    three outputs ran 2x faster over rows of 16 than of 32, nine outputs 1.5x
-    slower (docs/benchmarks.md).
+    two outputs ran fastest over rows of 128 (SIDCo-E's 10 stages 1.25x faster
+    than over rows of 16), three 2x faster over rows of 16 than of 32, nine
+    1.5x slower over 16 than over 32 (docs/benchmarks.md).
     """
     token = jnp.zeros((), jnp.float32) if after is None else after
     totals = None
@@ -209,7 +210,8 @@ def count_and_sums(
         above = (jnp.abs(v) > threshold).astype(jnp.int32)
         return (above, *[term(v, zero, *scalars).astype(jnp.float32) for term in terms])
 
-    count, *sums = _row_sums(xs, elementwise, [threshold, *scalars], after, width=16)
+    width = 128 if len(terms) == 1 else 16
+    count, *sums = _row_sums(xs, elementwise, [threshold, *scalars], after, width)
     return count, sums
 
 
