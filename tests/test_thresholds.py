@@ -1,3 +1,4 @@
+import functools
 import math
 
 import chex
@@ -138,19 +139,39 @@ def test_the_sample_stands_for_kernels_whose_rows_are_a_power_of_two_long(rng):
         assert abs(estimated_count() / exact - 1) > 0.5
 
 
-@pytest.mark.parametrize("estimator", ["exponential", "gpareto"])
-def test_sampled_middle_stages_land_where_whole_ones_do(rng, estimator):
+@pytest.mark.parametrize("estimator", ["exponential", "gpareto", "gamma"])
+def test_sampled_stages_land_where_whole_ones_do(rng, estimator):
     x = [jnp.asarray(rng.standard_t(3, size=2**20), jnp.float32) for _ in range(2)]
     ratio = 0.001
 
-    def density(stages):
-        eta = jax.jit(lambda x: sidco.threshold(x, ratio, estimator=estimator, stages=stages))(x)
-        return sum(achieved(v, eta, ratio) for v in x) / len(x)
+    def threshold(stages):
+        return jax.jit(lambda x: sidco.threshold(x, ratio, estimator=estimator, stages=stages))(x)
 
-    sampled = {stages: density(stages) for stages in (5, 10)}
+    def density(stages):
+        return sum(achieved(v, threshold(stages), ratio) for v in x) / len(x)
+
+    # Two stages: SIDCo-P's and SIDCo-GP's first stage reads the sample.
+    sampled = {stages: density(stages) for stages in (2, 5, 10)}
+    one, two = threshold(1), threshold(2)
     with thresholds.every_stage_whole():
         for stages, got in sampled.items():
             assert got == pytest.approx(density(stages), rel=0.05), stages
+        assert threshold(1) == one  # a lone stage reads every entry either way
+        if estimator != "exponential":
+            assert threshold(2) != two
+
+
+@pytest.mark.parametrize("estimator", ["gpareto", "gamma"])
+def test_first_stage_statistics_from_the_sample_match_the_whole_ones(rng, estimator):
+    x = [jnp.asarray(rng.standard_t(3, size=2**20), jnp.float32), jnp.ones((1000,), jnp.float32)]
+    x[0] = x[0].at[::3].set(0.0)  # exact zeros: SIDCo-GP's point mass
+    n = sum(v.size for v in x)
+    total = sum(jnp.sum(jnp.abs(v)) for v in x)
+    first = functools.partial(thresholds._FIRST[estimator], n=n, mean=total / n, inv_scale=1.0)
+    whole = first([(v, 1.0) for v in x], q=0.25, after=total)
+    sampled = first(thresholds.block_sample(x), q=0.25, after=total)
+    assert sampled != whole
+    assert float(sampled) == pytest.approx(float(whole), rel=0.02)
 
 
 def test_stage_count_is_traced_without_retracing(rng):

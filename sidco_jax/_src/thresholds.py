@@ -22,6 +22,8 @@ Three choices differ from the reference code, all on purpose:
   the entries (one block in eight of each long vector, see
   :func:`block_sample`): the last stage reads every entry and aims at the
   target from the exact count, so ten stages cost about four passes, not ten.
+  Where a later stage follows, the first stage's extra statistics (SIDCo-P's
+  squares, SIDCo-GP's count and logs) read that sample too.
 """
 
 import contextlib
@@ -83,31 +85,41 @@ def _excess(v, zero, inv_scale, eta):
     return jnp.maximum(jnp.abs(v.astype(jnp.float32)) * inv_scale - eta, zero)
 
 
-def _first_exponential(x, mean, inv_scale, q, after):
-    del x, inv_scale, after
+def _first_exponential(parts, n, mean, inv_scale, q, after):
+    del parts, n, inv_scale, after
     return fits.exponential_isf(fits.ExponentialFit(mean), q)
 
 
-def _first_gpareto(x, mean, inv_scale, q, after):
-    (squares,) = passes.reduce_each(
-        x, [lambda v, z, s: _magnitude(v, z, s) ** 2], [inv_scale], after
+def _weighted(parts, reduce):
+    """``sum(weight * reduce(array))`` over ``(array, weight)`` parts, in order, as float32."""
+    total = jnp.zeros((), jnp.float32)
+    for part, weight in parts:
+        total = total + weight * reduce(part, total).astype(jnp.float32)
+    return total
+
+
+def _first_gpareto(parts, n, mean, inv_scale, q, after):
+    square = lambda v, z, s: _magnitude(v, z, s) ** 2  # noqa: E731
+    squares = _weighted(
+        parts, lambda v, prev: passes.reduce_parts([v], square, [inv_scale], after + prev)[0]
     )
-    n = passes.size(x)
     return fits.gpareto_isf(fits.gpareto_from_sums(n, n * mean, squares), q)
 
 
-def _first_gamma(x, mean, inv_scale, q, after):
-    n = passes.size(x)
-    nonzero = passes.count_above(x, jnp.zeros((), jnp.float32), after)
+def _first_gamma(parts, n, mean, inv_scale, q, after):
+    zero = jnp.zeros((), jnp.float32)
+    nonzero = _weighted(parts, lambda v, prev: passes.count_above(v, zero, after + prev))
 
     # Exact zeros join as a point mass, not the fit: their clamped logs are
     # subtracted again (cheaper than masking them inside the pass).
     tiny = jnp.finfo(jnp.float32).tiny
     log_term = lambda v, zero, s: jnp.log(jnp.maximum(_magnitude(v, zero, s), zero + tiny))  # noqa: E731
-    (logs,) = passes.reduce_each(x, [log_term], [inv_scale], nonzero.astype(jnp.float32))
-    logs = logs - (n - nonzero).astype(jnp.float32) * jnp.log(tiny)
+    logs = _weighted(
+        parts, lambda v, prev: passes.reduce_parts([v], log_term, [inv_scale], nonzero + prev)[0]
+    )
+    logs = logs - (n - nonzero) * jnp.log(tiny)
     fit = fits.gamma_from_sums(nonzero, n * mean, logs)
-    q_nonzero = q * n / jnp.maximum(nonzero, 1).astype(jnp.float32)
+    q_nonzero = q * n / jnp.maximum(nonzero, 1.0)
     return jnp.where(q_nonzero >= 1.0, 0.0, fits.gamma_isf(fit, jnp.minimum(q_nonzero, 1.0)))
 
 
@@ -198,11 +210,12 @@ def threshold(
 ) -> jax.Array:
     """The magnitude threshold that about ``ratio`` of the entries of ``x`` exceed.
 
-    Pure and jittable; costs one pass over ``x`` for the first stage (two for
-    ``"gpareto"``, three for ``"gamma"``), one for the last stage (its count
-    and sums in one variadic reduction) and about a quarter of one for each
-    stage in between, which reads one block in eight of each vector of at
-    least 129,024 entries.
+    Pure and jittable; costs one pass over ``x`` for the first stage, one for
+    the last stage (its count and sums in one variadic reduction) and about a
+    quarter of one for each stage in between, which reads one block in eight
+    of each vector of at least 129,024 entries. ``"gpareto"`` and ``"gamma"``
+    take one and two more for the first stage: whole passes with one stage,
+    reads of that sample with several.
 
     Args:
       x: array of any shape and float dtype, or a pytree of them (a gradient
@@ -268,7 +281,18 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
     single = (stages == 1) | (ratio >= first_ratio)
     later = jnp.where(single, 0, stages - 1)
     q1 = jnp.where(single, ratio, first_ratio)
-    eta = _FIRST[estimator](x, mean / scale, 1.0 / scale, q1, total)
+    sample, whole = block_sample(x), [(v, 1.0) for v in x]
+
+    def first(parts):
+        return _FIRST[estimator](parts, n, mean / scale, 1.0 / scale, q1, total)
+
+    # The first stage's extra passes (SIDCo-P, SIDCo-GP) read the sample too
+    # where a later stage follows: it only sets where that stage starts.
+    eta = (
+        first(whole)
+        if estimator == "exponential"
+        else cond_on_device(later > 0, lambda: first(sample), lambda: first(whole))
+    )
     eta = jnp.where(jnp.isfinite(eta) & (eta >= 0), eta, 0.0)
 
     # Equal density per later stage: ratio_i = first_ratio * ds**i.
@@ -278,9 +302,8 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
         q_total = first_ratio * jnp.exp(log_ds * (i + 1).astype(jnp.float32))
         return _next_stage(parts, eta, scale, q_total, estimator, n)
 
-    sample = block_sample(x)
     eta = lax.fori_loop(0, later - 1, lambda i, eta: stage(i, eta, sample), eta)
-    last = lambda: stage(later - 1, eta, [(v, 1.0) for v in x])  # noqa: E731
+    last = lambda: stage(later - 1, eta, whole)  # noqa: E731
     eta = cond_on_device(later > 0, last, lambda: eta)
     eta = jnp.where(jnp.isfinite(total), eta * scale, jnp.inf)
     return jnp.where(valid, eta, jnp.nan)
