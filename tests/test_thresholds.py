@@ -144,21 +144,25 @@ def test_sampled_stages_land_where_whole_ones_do(rng, estimator):
     x = [jnp.asarray(rng.standard_t(3, size=2**20), jnp.float32) for _ in range(2)]
     ratio = 0.001
 
-    def threshold(stages):
-        return jax.jit(lambda x: sidco.threshold(x, ratio, estimator=estimator, stages=stages))(x)
+    def thresholds_by_stages():
+        return {
+            stages: jax.jit(
+                lambda x, m=stages: sidco.threshold(x, ratio, estimator=estimator, stages=m)
+            )(x)
+            for stages in (1, 2, 5, 10)
+        }
 
-    def density(stages):
-        return sum(achieved(v, threshold(stages), ratio) for v in x) / len(x)
+    def density(eta):
+        return sum(achieved(v, eta, ratio) for v in x) / len(x)
 
-    # Two stages: SIDCo-P's and SIDCo-GP's first stage reads the sample.
-    sampled = {stages: density(stages) for stages in (2, 5, 10)}
-    one, two = threshold(1), threshold(2)
+    sampled = thresholds_by_stages()
     with thresholds.every_stage_whole():
-        for stages, got in sampled.items():
-            assert got == pytest.approx(density(stages), rel=0.05), stages
-        assert threshold(1) == one  # a lone stage reads every entry either way
-        if estimator != "exponential":
-            assert threshold(2) != two
+        whole = thresholds_by_stages()
+    for stages in (2, 5, 10):
+        assert density(sampled[stages]) == pytest.approx(density(whole[stages]), rel=0.05)
+    assert sampled[1] == whole[1]  # a lone stage reads every entry either way
+    if estimator != "exponential":  # two stages: their first stage reads the sample
+        assert sampled[2] != whole[2]
 
 
 @pytest.mark.parametrize("estimator", ["gpareto", "gamma"])
