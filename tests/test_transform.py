@@ -1,4 +1,5 @@
 import math
+import re
 
 import chex
 import jax
@@ -243,6 +244,24 @@ def test_no_update_calls_back_to_the_host(name):
     tx = sidco.compressor(name, 0.01)
     jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(grads)).jaxpr
     assert [e.primitive.name for e in equations(jaxpr) if "callback" in e.primitive.name] == []
+
+
+@pytest.mark.parametrize(
+    "name, scopes",
+    [
+        ("sidco-e", {"error_feedback", "select", "payload", "aggregate", "write_back"}),
+        ("topk", {"error_feedback", "select", "payload", "aggregate", "write_back"}),
+        ("dense", {"error_feedback", "aggregate"}),
+    ],
+)
+def test_the_compiled_update_names_its_phases(name, scopes):
+    # Profiles (and benchmarks.overhead's phases) attribute the update's time
+    # through these named scopes, kept in the compiled instructions' op_name.
+    grads = {"a": jnp.ones((64, 512)), "b": jnp.ones(1000)}
+    tx = sidco.compressor(name, 0.01)
+    text = jax.jit(tx.update).lower(grads, tx.init(grads)).compile().as_text()
+    found = {part for op in re.findall(r'op_name="([^"]*)"', text) for part in op.split("/")}
+    assert scopes <= found, scopes - found
 
 
 @pytest.mark.parametrize("name", quick_first(sidco.COMPRESSORS))

@@ -17,6 +17,12 @@ nothing anywhere, keeps every residual and raises the ``nonfinite`` flag of the
 metrics, so one bad batch cannot poison a residual. Whatever gates state (that
 flag, the figures a rule observes) is reduced across the axis first, so every
 device takes the same decision and the update stays replicated.
+
+Each phase runs under a ``jax.named_scope``: ``error_feedback`` (the first pass
+and ``u``), ``select`` (the rule; forming the payload is ``select/payload``),
+``aggregate`` (the mean and the dense update) and ``write_back`` (the
+residual). A profile (TensorBoard, Perfetto) thus shows what each one costs;
+``python -m benchmarks.overhead phases`` reads them out of one.
 """
 
 import jax
@@ -398,24 +404,25 @@ def sparsifier(
         # the finite check and for the rules' statistics. Only where a sum is
         # not finite does a second look tell a bad gradient (the step is
         # skipped) from bad residual entries (dropped) or a mere overflow.
-        abs_sums = passes.reduce_parts(pairs, _abs_sum)
-        abs_sums += [jnp.sum(jnp.abs(c)) for c in others]
-        abs_sums = jnp.stack(abs_sums).astype(jnp.float32)
-        sums_ok = jnp.all(jnp.isfinite(abs_sums))
+        with jax.named_scope("error_feedback"):
+            abs_sums = passes.reduce_parts(pairs, _abs_sum)
+            abs_sums += [jnp.sum(jnp.abs(c)) for c in others]
+            abs_sums = jnp.stack(abs_sums).astype(jnp.float32)
+            sums_ok = jnp.all(jnp.isfinite(abs_sums))
 
-        def fine(_):
-            return sums_ok, jnp.zeros_like(sums_ok, jnp.int32), abs_sums
+            def fine(_):
+                return sums_ok, jnp.zeros_like(sums_ok, jnp.int32), abs_sums
 
-        local_finite, dropped, abs_sums = lax.cond(
-            sums_ok, fine, lambda _: _diagnose(pairs, others, error_feedback), None
-        )
-        # A non-finite device keeps its residual (less any bad entry): it sends nothing.
-        u = [
-            jnp.where(sums_ok, g.astype(r.dtype) + r, _recovered(g, r, local_finite))
-            if error_feedback
-            else g.astype(r.dtype)
-            for g, r in pairs
-        ]
+            local_finite, dropped, abs_sums = lax.cond(
+                sums_ok, fine, lambda _: _diagnose(pairs, others, error_feedback), None
+            )
+            # A non-finite device keeps its residual (less any bad entry): it sends nothing.
+            u = [
+                jnp.where(sums_ok, g.astype(r.dtype) + r, _recovered(g, r, local_finite))
+                if error_feedback
+                else g.astype(r.dtype)
+                for g, r in pairs
+            ]
         key = jax.random.fold_in(jax.random.key(seed), state.count)
 
         # Zero-size leaves take no part: indices over all leaves are the same without them.
@@ -423,12 +430,13 @@ def sparsifier(
         groups = ([used] if used else []) if granularity == "model" else [[i] for i in used]
         keys = jax.random.split(key, len(groups)) if groups else []
         chosen = []
-        for group, k in zip(groups, keys, strict=True):
-            # The message is float32; a float64 leaf's residual keeps what it cannot carry.
-            vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
-            sums = abs_sums[np.asarray(group)]
-            selection = rule.select(vectors, sums, state.rule, k)
-            chosen.append(_fill_if_starved(selection, vectors, jnp.sum(sums)))
+        with jax.named_scope("select"):
+            for group, k in zip(groups, keys, strict=True):
+                # The message is float32; a float64 leaf's residual keeps what it cannot carry.
+                vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
+                sums = abs_sums[np.asarray(group)]
+                selection = rule.select(vectors, sums, state.rule, k)
+                chosen.append(_fill_if_starved(selection, vectors, jnp.sum(sums)))
         if granularity == "model":
             etas = chosen[0].threshold if chosen else jnp.zeros((), jnp.float32)
         else:  # one threshold per floating-point leaf, 0 for the zero-size ones
@@ -463,44 +471,49 @@ def sparsifier(
         )
 
         zero = jnp.zeros((), jnp.float32)
-        if send_all or not chosen:
-            mean = [jnp.where(finite, x, zero) for x in u]
-            if axis_name is not None:
-                mean = lax.pmean(mean, axis_name)
-            message = sum(x.size * x.dtype.itemsize for x in u)
-            left = [jnp.where(finite, zero, x) for x in u]
-        else:
-            values = jnp.where(finite, payload.values, 0.0)
-            sent_at, kept_at, kept = payload.indices, None, None
-            if routed is None:
-                mean = aggregate.mean(
-                    payload._replace(values=values), sizes, axis_name, mode, shared
-                )
-                message = (
-                    sum(c.bytes for c in chosen)
-                    if mode == "sparse"
-                    else aggregate.message_bytes(mode, n, capacity, shared)
-                )
+        sent_at = kept_at = kept = None
+        with jax.named_scope("aggregate"):
+            if send_all or not chosen:
+                mean = [jnp.where(finite, x, zero) for x in u]
+                if axis_name is not None:
+                    mean = lax.pmean(mean, axis_name)
+                message = sum(x.size * x.dtype.itemsize for x in u)
             else:
+                values = jnp.where(finite, payload.values, 0.0)
+                sent_at = payload.indices
+                if routed is None:
+                    mean = aggregate.mean(
+                        payload._replace(values=values), sizes, axis_name, mode, shared
+                    )
+                    message = (
+                        sum(c.bytes for c in chosen)
+                        if mode == "sparse"
+                        else aggregate.message_bytes(mode, n, capacity, shared)
+                    )
+                else:
 
-                def reselect(region):
-                    # The owner selects from its region's sum with the same rule.
-                    abs_sum = jnp.sum(jnp.abs(region))
-                    again = rule.select([region], abs_sum[None], state.rule, region_key)
-                    return _fill_if_starved(again, [region], abs_sum).payload
+                    def reselect(region):
+                        # The owner selects from its region's sum with the same rule.
+                        abs_sum = jnp.sum(jnp.abs(region))
+                        again = rule.select([region], abs_sum[None], state.rule, region_key)
+                        return _fill_if_starved(again, [region], abs_sum).payload
 
-                region_key = jax.random.fold_in(key, len(groups))
-                routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
-                reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
-                mean, message = reduced.mean, reduced.message
-                sent_at, kept_at, kept = routed.sent, reduced.kept_indices, reduced.kept_values
-            # What this device did not send stays in its residual, exactly:
-            # the sent entries are subtracted in place, leaf by leaf, and an
-            # owner adds back what it received and did not send on.
-            left = [
-                _subtract_at(x, local, values)
-                for x, local in zip(u, payload_lib.local_indices(sent_at, sizes), strict=True)
-            ]
+                    region_key = jax.random.fold_in(key, len(groups))
+                    routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
+                    reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
+                    mean, message = reduced.mean, reduced.message
+                    sent_at, kept_at, kept = routed.sent, reduced.kept_indices, reduced.kept_values
+        with jax.named_scope("write_back"):
+            if sent_at is None:
+                left = [jnp.where(finite, zero, x) for x in u]
+            else:
+                # What this device did not send stays in its residual, exactly:
+                # the sent entries are subtracted in place, leaf by leaf, and an
+                # owner adds back what it received and did not send on.
+                left = [
+                    _subtract_at(x, local, values)
+                    for x, local in zip(u, payload_lib.local_indices(sent_at, sizes), strict=True)
+                ]
             if kept is not None:
                 left = [
                     _subtract_at(x, local, -kept)
@@ -515,8 +528,9 @@ def sparsifier(
         message += sum(c.size * c.dtype.itemsize for c in others)
 
         new_leaves = list(leaves)
-        for i, part, g in zip(float_at, mean, grads, strict=True):
-            new_leaves[i] = part.reshape(g.shape).astype(g.dtype)
+        with jax.named_scope("aggregate"):
+            for i, part, g in zip(float_at, mean, grads, strict=True):
+                new_leaves[i] = part.reshape(g.shape).astype(g.dtype)
         for i, part in zip(complex_at, dense_complex, strict=True):
             new_leaves[i] = part
         residual = state.residual

@@ -55,6 +55,11 @@ _TRI = 64  # width of the triangular matmuls of the cumulative sum
 _GROUP = 16
 
 
+# Profiles (and benchmarks.overhead's phases) attribute what these functions
+# run to the update's payload phase: see loop.py.
+in_payload_phase = functools.partial(jax.named_call, name="payload")
+
+
 def capacity(size: int, ratio: float, capacity_factor: float = 1.0) -> int:
     """Slots for ``ratio`` of ``size`` entries with headroom ``capacity_factor``.
 
@@ -154,6 +159,7 @@ def _nth_bit(words: jax.Array, rank: jax.Array) -> jax.Array:
     return position
 
 
+@in_payload_phase
 def select_above(
     vectors: Sequence[jax.Array], threshold: jax.Array, capacity: int, inclusive: bool = False
 ) -> Payload:
@@ -220,6 +226,7 @@ def select_above(
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
 
+@in_payload_phase
 def strongest(payload: Payload, capacity: int) -> Payload:
     """The ``capacity`` largest magnitudes of a wider payload, as a payload of ``capacity`` slots.
 
@@ -240,6 +247,7 @@ def strongest(payload: Payload, capacity: int) -> Payload:
     )
 
 
+@in_payload_phase
 def largest(
     vectors: Sequence[jax.Array], k: int, capacity: int, selected
 ) -> tuple[Payload, jax.Array]:
@@ -312,6 +320,7 @@ def kth_magnitude(vectors: Sequence[jax.Array], k: int) -> jax.Array:
     return lax.bitcast_convert_type(hi, jnp.float32)
 
 
+@in_payload_phase
 def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Array]:
     """Exact top-``k`` magnitudes of 1-D ``vectors`` as a payload of ``k`` slots, and the k-th.
 
