@@ -16,9 +16,12 @@ median with its interquartile range and ratios taken in the same run.
   and one pass over the gradient for scale, and the compiled temporary bytes
   of each update (``Compiled.memory_analysis()``) in gradient sizes; SIDCo-E
   and top-k also jitted with the update returned first (see ``carried``).
-* ``phases``: SIDCo-E's update cut into its phases (error-feedback add with
-  the first pass, threshold, payload, aggregation, write-back), each jitted
-  alone on the previous phase's outputs, beside the whole update.
+* ``phases``: where each whole update's time goes. Each compressor of
+  ``--compressors`` is jitted whole, its state donated and carried, and its
+  calls traced with ``jax.profiler``: every thunk XLA runs is charged to the
+  phase that the loop's named scopes give its instruction (error feedback,
+  threshold, payload, aggregate, write-back; thunks running at once share the
+  wall time), beside the same updates timed untraced.
 * ``step``: the whole local training step of an example model (gradient +
   update + ``optax.apply_updates``), against the gradient alone, after
   ``--settle`` untimed training steps (SIDCo's stage count moves in training);
@@ -35,7 +38,7 @@ real gradients of the examples' models (their parameter trees).
 
     python -m benchmarks.overhead kernels --sizes 20 22 24 --ratios 0.01 0.001
     python -m benchmarks.overhead updates --source lm:large flat:24 --ratios 0.001
-    python -m benchmarks.overhead phases --source lm:large
+    python -m benchmarks.overhead phases --source lm:large --compressors sidco-e topk dgc
     python -m benchmarks.overhead step --source lm:large cnn:default
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
         python -m benchmarks.overhead axis --source flat:24
@@ -45,11 +48,14 @@ real gradients of the examples' models (their parameter trees).
 import argparse
 import contextlib
 import functools
+import gzip
 import json
 import math
 import os
 import platform
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,8 +67,7 @@ from jax import lax
 
 import sidco_jax as sidco
 from examples.common.loop import example  # the examples' models, for real parameter trees
-from sidco_jax._src import aggregate, passes, thresholds
-from sidco_jax._src import payload as payload_lib
+from sidco_jax._src import thresholds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -264,50 +269,174 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
     return calls, memory
 
 
-def phases(grads, ratio: float) -> dict:
-    """SIDCo-E's update on ``grads`` in its phases, each a jitted function of the last's output."""
-    leaves = [g.reshape(-1) for g in jax.tree.leaves(grads)]
-    sizes = [v.shape[0] for v in leaves]
-    n = sum(sizes)
-    cap = sidco.capacity(n, ratio)
-    stages = min(3, sidco.max_stages(ratio))
-    residual = [jnp.zeros_like(v) for v in leaves]
+# The update's phases, as the loop names them with jax.named_scope (sidco_jax/_src/loop.py),
+# in the order they run; "threshold" is what a rule's select does outside its payload.
+PHASES = (
+    "error_feedback",
+    "threshold",
+    "payload",
+    "aggregate",
+    "write_back",
+    "other",
+    "between thunks",
+)
+_SCOPES = {"error_feedback", "select", "payload", "aggregate", "write_back"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.M)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
-    def add(g, r):
-        pairs = list(zip(g, r, strict=True))
-        sums = jnp.stack(
-            passes.reduce_parts(pairs, lambda p, z: jnp.abs(p[0] + p[1]) + z),
+
+def phase_of(op_name: str) -> str:
+    """The phase an HLO instruction's ``op_name`` falls in: its innermost phase scope."""
+    for scope in reversed(op_name.split("/")):
+        if scope in _SCOPES:
+            return "threshold" if scope == "select" else scope
+    return "other"
+
+
+def instruction_phases(compiled_text: str) -> dict[str, str]:
+    """Instruction name -> phase, for every instruction of a compiled module's text."""
+    out = {}
+    for m in _INSTRUCTION.finditer(compiled_text):
+        op_name = _OP_NAME.search(m[2])
+        out[m[1]] = phase_of(op_name[1] if op_name else "")
+    return out
+
+
+def own_stretches(events: list[dict]) -> list[tuple[float, float, dict]]:
+    """The stretches ``(start, stop, event)`` (µs) in which each trace event runs itself.
+
+    Events nest on one thread (a ``cond`` thunk runs its branch's thunks inside it):
+    a nested event's time is cut out of the event around it.
+    """
+    out = []
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault(e["tid"], []).append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # [event, its end, where its own time resumes]
+        for e in [*thread, None]:
+            while stack and (e is None or e["ts"] >= stack[-1][1]):
+                done, stop, resume = stack.pop()
+                out.append((resume, stop, done))
+                if stack:
+                    stack[-1][2] = max(stack[-1][2], stop)
+            if e is None:
+                break
+            if stack:
+                out.append((stack[-1][2], e["ts"], stack[-1][0]))
+            stop = e["ts"] + e["dur"]
+            stack.append([e, min(stop, stack[-1][1]) if stack else stop, e["ts"]])
+    return [(a, b, e) for a, b, e in out if b > a]
+
+
+def wall_shares(stretches, phase_of_event, start: float, stop: float) -> dict[str, float]:
+    """The wall time (µs) of ``[start, stop)`` shared among the phases running in it.
+
+    Where thunks run at once on several threads each gets an equal share; time in
+    which none runs (dispatch, waits) is ``"between thunks"``. The shares add up to
+    ``stop - start``.
+    """
+    edges = []
+    for a, b, e in stretches:
+        a, b = max(a, start), min(b, stop)
+        if b > a:
+            phase = phase_of_event(e)
+            edges += [(a, 1, phase), (b, -1, phase)]
+    edges.sort(key=lambda edge: (edge[0], edge[1]))
+    shares = {}
+    running = {}
+    at = start
+    for t, step, phase in [*edges, (stop, 0, None)]:
+        span, total = t - at, sum(running.values())
+        for name, count in running.items():
+            shares[name] = shares.get(name, 0.0) + span * count / total
+        if not total and span > 0:
+            shares["between thunks"] = shares.get("between thunks", 0.0) + span
+        at = t
+        if phase is not None:
+            running[phase] = running.get(phase, 0) + step
+            if not running[phase]:
+                del running[phase]
+    return shares
+
+
+def traced_phases(
+    calls: dict, names: dict, args: tuple, repeats: int
+) -> dict[str, dict[str, list[float]]]:
+    """Per labelled call, the ms of each phase on every call, read from a profiler trace.
+
+    ``names`` maps each label to its compiled module's :func:`instruction_phases`. The
+    calls run round-robin, each inside a trace annotation; every thunk XLA's runtime
+    traced inside one is charged, by its own time (nested thunks apart), to the phase
+    of the instruction it runs. Also ``"traced call"``: each call's wall time.
+    """
+    for call in calls.values():
+        jax.block_until_ready(call(*own_arguments(call, args)))
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for i in range(repeats):
+                for j, call in enumerate(calls.values()):
+                    f_args = own_arguments(call, args)
+                    with jax.profiler.TraceAnnotation(f"overhead-call {j} {i}"):
+                        jax.block_until_ready(call(*f_args))
+        trace = next(Path(directory).rglob("*.trace.json.gz"))
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    events = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    windows = sorted(
+        (e["ts"], e["ts"] + e["dur"], *map(int, e["name"].split()[1:]))
+        for e in events
+        if e["name"].startswith("overhead-call ")
+    )
+    labels = list(calls)
+    out = {label: {} for label in labels}
+    # A thunk is traced under the name of the instruction it runs.
+    known = set().union(*names.values())
+    thunks = [e for e in events if e["name"] in known]
+    stretches = own_stretches(thunks)
+    for start, stop, j, i in windows:
+        label = labels[j]
+        shares = wall_shares(
+            stretches, lambda e, label=label: names[label].get(e["name"], "other"), start, stop
         )
-        finite = jnp.all(jnp.isfinite(sums))
-        return [jnp.where(finite, a + b, b) for a, b in pairs], sums
+        for phase in (*PHASES, "traced call"):
+            ms = (stop - start) if phase == "traced call" else shares.get(phase, 0.0)
+            out[label].setdefault(phase, [0.0] * repeats)[i] = ms / 1e3
+    return out
 
-    def threshold(u, sums):
-        return thresholds.from_abs_sum(u, jnp.sum(sums), ratio, "exponential", stages, 0.25)
 
-    def payload(u, eta):
-        return payload_lib.select_above(u, eta, cap)
+def phases(grads, ratio: float, labels: list[str], repeats: int) -> dict:
+    """Each update's phases, timed inside the whole compiled update as training runs it.
 
-    def aggregation(p):
-        return aggregate.mean(p, sizes, None, "sparse")
-
-    def write_back(u, p):
-        local = payload_lib.local_indices(p.indices, sizes)
-        return [x.at[i].add(-p.values, mode="drop") for x, i in zip(u, local, strict=True)]
-
-    jitted = {f.__name__: jax.jit(f) for f in (add, threshold, payload, aggregation, write_back)}
-    u, sums = jitted["add"](leaves, residual)
-    eta = jitted["threshold"](u, sums)
-    p = jitted["payload"](u, eta)
-    tx = sidco.compress(ratio)
-    return {
-        "one pass": (jax.jit(one_pass), (grads,)),
-        "whole update": (carried(tx.update, tx.init(grads))[0], (grads,)),
-        "1 error-feedback add + first pass": (jitted["add"], (leaves, residual)),
-        "2 threshold": (jitted["threshold"], (u, sums)),
-        "3 payload": (jitted["payload"], (u, eta)),
-        "4 aggregation (local densify)": (jitted["aggregation"], (p,)),
-        "5 write-back": (jitted["write_back"], (u, p)),
-    }
+    The update is jitted whole with its state donated and carried (:func:`carried`);
+    a profiler trace of ``repeats`` calls per compressor, round-robin, gives each
+    phase's share (:func:`traced_phases`). The same updates are also timed without
+    the profiler, interleaved, beside one pass over the gradient.
+    """
+    calls, names = {}, {}
+    for label in labels:
+        tx = compressor(label, ratio)
+        calls[label], jitted = carried(tx.update, tx.init(grads))
+        names[label] = instruction_phases(jitted.lower(grads, tx.init(grads)).compile().as_text())
+    plain = measure({"one pass": jax.jit(one_pass), **calls}, (grads,), repeats)
+    traced = traced_phases(calls, names, (grads,), repeats)
+    ms = {"one pass": plain["one pass"]}
+    for label in labels:
+        whole = plain[label]
+        ms[f"{label}: whole update"] = whole
+        for phase, times in traced[label].items():
+            if phase != "traced call" and not any(times):
+                continue  # a phase this compressor does not have
+            ms[f"{label}: {phase}"] = {
+                "median": float(np.median(times)),
+                "p25": float(np.percentile(times, 25)),
+                "p75": float(np.percentile(times, 75)),
+            }
+    one = ms["one pass"]["median"]
+    for label, t in ms.items():
+        base = ms.get(f"{label.split(':')[0]}: whole update", ms["one pass"])
+        ms[label] = {**t, "/ base": t["median"] / base["median"], "/ one pass": t["median"] / one}
+    return ms
 
 
 def stage_count(state) -> int | None:
@@ -497,7 +626,7 @@ def main(argv=None) -> list[dict]:
         nargs="+",
         default=["dense", "sidco-e", "sidco-p", "sidco-gp", "topk", "dgc"],
         choices=LABELS,
-        help="step: compressors to train with (default: %(default)s)",
+        help="step, phases: compressors to time (default: %(default)s)",
     )
     parser.add_argument("--repeats", type=int, default=9, help="timed runs after warm-up")
     parser.add_argument(
@@ -556,11 +685,7 @@ def main(argv=None) -> list[dict]:
                 continue
             shapes = [tuple(np.shape(g)) for g in jax.tree.leaves(grads)]
             if args.mode == "phases":
-                fns = phases(grads, ratio)
-                times = {}
-                for name, (f, f_args) in fns.items():  # own arguments each: one at a time
-                    times[name] = measure({name: f}, f_args, args.repeats)[name]
-                ms = ratio_columns(times, "whole update", "one pass")
+                ms = phases(grads, ratio, args.compressors, args.repeats)
                 rows.append({"mode": "phases", "source": source, "ratio": ratio, "ms": ms})
                 print(table(rows[-1:]).split("\n", 2)[2], flush=True)
                 continue
