@@ -46,6 +46,7 @@ real gradients of the examples' models (their parameter trees).
 """
 
 import argparse
+import bisect
 import contextlib
 import functools
 import gzip
@@ -330,6 +331,48 @@ def own_stretches(events: list[dict]) -> list[tuple[float, float, dict]]:
     return [(a, b, e) for a, b, e in out if b > a]
 
 
+def partition_tails(thunks: list[dict], events: list[dict]) -> list[tuple[float, float, dict]]:
+    """The stretches ``(start, stop, thunk)`` (µs) a thunk runs past its own trace event.
+
+    XLA's CPU runtime splits a large loop fusion into partitions run by several
+    threads, and the trace event covers only the partition of the thread that
+    started it. The thread that finishes the last partition records the instant
+    ``"end: NAME"``, after running whatever thunks that completion made ready, so
+    the last partition ended by the marker or by the start of that thread's next
+    traced thunk, whichever is first. Each thunk is matched with the first unused
+    marker of its name from its start on.
+    """
+    markers, starts = {}, {}
+    for e in events:
+        if e["name"].startswith("end: "):
+            markers.setdefault(e["name"][len("end: ") :], []).append(e)
+    for e in thunks:
+        starts.setdefault(e["tid"], []).append(e["ts"])
+    starts = {tid: sorted(ts) for tid, ts in starts.items()}
+    out = []
+    by_name = {}
+    for e in thunks:
+        by_name.setdefault(e["name"], []).append(e)
+    for name, runs in by_name.items():
+        ends = sorted(markers.get(name, []), key=lambda m: m["ts"])
+        at = 0
+        for e in sorted(runs, key=lambda e: e["ts"]):
+            while at < len(ends) and ends[at]["ts"] < e["ts"]:
+                at += 1
+            if at == len(ends):
+                break
+            stop, mark = e["ts"] + e["dur"], ends[at]
+            after = starts.get(mark["tid"], [])
+            following = (
+                after[bisect.bisect_right(after, stop)] if after and after[-1] > stop else None
+            )
+            done = min(mark["ts"], following) if following is not None else mark["ts"]
+            if done > stop:
+                out.append((stop, done, e))
+            at += 1
+    return out
+
+
 def wall_shares(stretches, phase_of_event, start: float, stop: float) -> dict[str, float]:
     """The wall time (µs) of ``[start, stop)`` shared among the phases running in it.
 
@@ -368,8 +411,9 @@ def traced_phases(
 
     ``names`` maps each label to its compiled module's :func:`instruction_phases`. The
     calls run round-robin, each inside a trace annotation; every thunk XLA's runtime
-    traced inside one is charged, by its own time (nested thunks apart), to the phase
-    of the instruction it runs. Also ``"traced call"``: each call's wall time.
+    traced inside one is charged, by its own time (nested thunks apart, the other
+    threads' partitions added: :func:`partition_tails`), to the phase of the
+    instruction it runs. Also ``"traced call"``: each call's wall time.
     """
     for call in calls.values():
         jax.block_until_ready(call(*own_arguments(call, args)))
@@ -393,7 +437,7 @@ def traced_phases(
     # A thunk is traced under the name of the instruction it runs.
     known = set().union(*names.values())
     thunks = [e for e in events if e["name"] in known]
-    stretches = own_stretches(thunks)
+    stretches = own_stretches(thunks) + partition_tails(thunks, events)
     for start, stop, j, i in windows:
         label = labels[j]
         shares = wall_shares(

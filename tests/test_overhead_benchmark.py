@@ -242,3 +242,18 @@ def test_instruction_phases_read_the_scopes_of_op_names(overhead):
         "w": "payload",
         "copy.3": "other",
     }
+
+
+def test_partition_tails_run_to_the_end_marker_or_the_next_thunk(overhead):
+    # A's event covers its own partition (0-5); another thread finishes the
+    # rest, then runs B (from 7), and only then records "end: A" (at 8).
+    a, b = event("A", 1, 0, 5), event("B", 2, 7, 1)
+    c = event("C", 1, 10, 2)  # C's marker comes before C's event ends: no tail
+    markers = [event("end: A", 2, 8, 0), event("end: B", 2, 8, 0), event("end: C", 1, 11, 0)]
+    d = event("D", 3, 20, 2)  # D's marker, on a thread with nothing after it
+    markers.append(event("end: D", 3, 25, 0))
+    tails = overhead.partition_tails([a, b, c, d], [a, b, c, d, *markers])
+    assert sorted((start, stop, e["name"]) for start, stop, e in tails) == [
+        (5, 7, "A"),
+        (22, 25, "D"),
+    ]
