@@ -434,15 +434,13 @@ def traced_phases(
     )
     labels = list(calls)
     out = {label: {} for label in labels}
-    # A thunk is traced under the name of the instruction it runs.
-    known = set().union(*names.values())
-    thunks = [e for e in events if e["name"] in known]
-    stretches = own_stretches(thunks) + partition_tails(thunks, events)
     for start, stop, j, i in windows:
         label = labels[j]
-        shares = wall_shares(
-            stretches, lambda e, label=label: names[label].get(e["name"], "other"), start, stop
-        )
+        # A thunk is traced under the name of its instruction, unique in its own module.
+        mine = [e for e in events if start <= e["ts"] <= stop]
+        thunks = [e for e in mine if e["name"] in names[label]]
+        stretches = own_stretches(thunks) + partition_tails(thunks, mine)
+        shares = wall_shares(stretches, lambda e, label=label: names[label][e["name"]], start, stop)
         for phase in (*PHASES, "traced call"):
             ms = (stop - start) if phase == "traced call" else shares.get(phase, 0.0)
             out[label].setdefault(phase, [0.0] * repeats)[i] = ms / 1e3
