@@ -103,13 +103,15 @@ def measure(fns: dict, args: tuple, repeats: int) -> dict[str, dict]:
             start = time.perf_counter()
             jax.block_until_ready(f(*f_args))
             times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: quartiles(t) for name, t in times.items()}
+
+
+def quartiles(times: list[float]) -> dict[str, float]:
+    """The median and the interquartile range of ``times``."""
     return {
-        name: {
-            "median": float(np.median(t)),
-            "p25": float(np.percentile(t, 25)),
-            "p75": float(np.percentile(t, 75)),
-        }
-        for name, t in times.items()
+        "median": float(np.median(times)),
+        "p25": float(np.percentile(times, 25)),
+        "p75": float(np.percentile(times, 75)),
     }
 
 
@@ -464,16 +466,11 @@ def phases(grads, ratio: float, labels: list[str], repeats: int) -> dict:
     traced = traced_phases(calls, names, (grads,), repeats)
     ms = {"one pass": plain["one pass"]}
     for label in labels:
-        whole = plain[label]
-        ms[f"{label}: whole update"] = whole
+        ms[f"{label}: whole update"] = plain[label]
         for phase, times in traced[label].items():
             if phase != "traced call" and not any(times):
                 continue  # a phase this compressor does not have
-            ms[f"{label}: {phase}"] = {
-                "median": float(np.median(times)),
-                "p25": float(np.percentile(times, 25)),
-                "p75": float(np.percentile(times, 75)),
-            }
+            ms[f"{label}: {phase}"] = quartiles(times)
     one = ms["one pass"]["median"]
     for label, t in ms.items():
         base = ms.get(f"{label.split(':')[0]}: whole update", ms["one pass"])
