@@ -4,7 +4,10 @@ At the root so that ``tests/``, the doctests and the examples' ``train_test.py``
 all see the same devices, whichever of them pytest is given.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles far more than it computes: LLVM's cheaper pipeline cut a
@@ -16,6 +19,17 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
+
+# Many tests compile the same computation through fresh transformation objects,
+# which jit's in-memory cache cannot match; JAX's persistent cache keys on the
+# computation itself. One directory per run (the multiprocess workers inherit
+# it), removed at exit, so no run reads another's entries.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="sidco-jax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import chex  # after JAX_PLATFORMS: chex imports jax
 
