@@ -31,11 +31,17 @@ def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
     for grads in _local(gradient_stream(rng, 3 * every_k + 1)):
         updates, state = step(grads, state, params)
         ref_updates, ref = ref_step(grads, ref, params)
-        chex.assert_trees_all_equal(updates, ref_updates)
         chex.assert_trees_all_equal(
             state.inner, ref.inner_opt_state
         )  # residuals, stage counts, momentum
         chex.assert_trees_all_equal(state.accumulator, ref.acc_grads)
+        # The same state, bit for bit. The update -lr * (g + mu * trace) is recomputed in
+        # each program, whose machine code may or may not fuse the multiply-add (XLA's
+        # legacy CPU emitters, which conftest.py picks, do so per fusion): one rounding of
+        # the trace, scaled, is 2 units in the last place at most.
+        pairs = zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates), strict=True)
+        for ours_leaf, ref_leaf in pairs:
+            np.testing.assert_array_max_ulp(np.asarray(ours_leaf), np.asarray(ref_leaf), maxulp=2)
         params = optax.apply_updates(params, updates)
     assert int(sidco.metrics(state)["step"]) == (3 * every_k + 1) // every_k
 
