@@ -30,7 +30,6 @@ import datetime
 import gc
 import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -42,6 +41,7 @@ import numpy as np
 from jax import lax
 
 import sidco_jax as sidco
+from benchmarks import host
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 STAGES = 3
@@ -281,7 +281,7 @@ def main(argv=None) -> list[dict]:
         "backend": jax.default_backend(),
         "device": str(device.device_kind),
         "device_count": jax.device_count(),
-        "machine": platform.machine(),
+        **host.describe(),
         "repeats": args.repeats,
         "stages": STAGES,
         "seed": args.seed,

@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import host
 from benchmarks.virtual_link import VirtualLink, bits_per_second, unavailable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -760,6 +761,7 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "args": {k: str(v) for k, v in vars(args).items()},
+            "host": host.describe(),
             "rows": rows,
             "orders": orders,
             "crossovers": fits,

@@ -52,8 +52,6 @@ import functools
 import gzip
 import json
 import math
-import os
-import platform
 import re
 import sys
 import tempfile
@@ -67,6 +65,7 @@ import optax
 from jax import lax
 
 import sidco_jax as sidco
+from benchmarks import host
 from examples.common.loop import example  # the examples' models, for real parameter trees
 from sidco_jax._src import thresholds
 
@@ -752,8 +751,7 @@ def main(argv=None) -> list[dict]:
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
-        "machine": platform.machine(),
-        "cores": len(os.sched_getaffinity(0)),
+        **host.describe(),
         "repeats": args.repeats,
     }
     path = args.json or ROOT / "benchmarks" / "results" / f"overhead_{args.mode}.json"

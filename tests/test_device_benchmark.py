@@ -103,6 +103,7 @@ def test_json_matches_rows(run):
     assert meta["jax"] == jax.__version__
     assert meta["repeats"] == 2
     assert meta["device"] and meta["date"]
+    assert meta["cpu"] and meta["cores"] >= 1
     assert "--sizes 13 --ratios 0.01" in meta["command"]
 
 

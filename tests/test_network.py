@@ -267,6 +267,7 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     record = json.loads(out.read_text())
     rows = {row["compressor"]: row for row in record["rows"]}
+    assert record["host"]["cpu"] and record["host"]["cores"] >= 1
     assert set(rows) == {"dense", "sidco-e"}
     for row in rows.values():
         for kind in ("step", "compute", "alone"):  # rounds x steps samples of each
