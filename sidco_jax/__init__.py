@@ -26,7 +26,7 @@ from sidco_jax._src.checkpoint import RatioWarning, ResidualWarning, restore, sa
 from sidco_jax._src.control import RULES, StageControl
 from sidco_jax._src.costs import Link
 from sidco_jax._src.hlo import Collective, hlo_collectives
-from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.loop import LoopOptions, sparsifier
 from sidco_jax._src.metrics import metrics
 from sidco_jax._src.payload import capacity, densify, sparsify
 from sidco_jax._src.registry import COMPRESSORS, compressor
@@ -55,6 +55,7 @@ __all__ = [
     "CompressMetrics",
     "CompressState",
     "Link",
+    "LoopOptions",
     "ObserveFn",
     "Payload",
     "RatioWarning",

@@ -55,6 +55,14 @@ CASES = [
         value="'2'"),
     bad(sidco.compress, 0.1, capacity_factor=True, error=TypeError, name="capacity_factor",
         value="True"),
+    # layout: one of the names; bucket_bytes: a positive int (it sets shapes).
+    bad(sidco.compress, 0.1, layout="flat", error=ValueError, name="layout", value="'flat'"),
+    bad(sidco.dense, layout=None, error=ValueError, name="layout", value="None"),
+    bad(sidco.topk, 0.1, bucket_bytes=0, error=ValueError, name="bucket_bytes", value="0"),
+    bad(sidco.dgc, 0.1, bucket_bytes=2.5e7, error=TypeError, name="bucket_bytes",
+        value="25000000.0"),
+    bad(sidco.compress, 0.1, bucket_bytes=True, error=TypeError, name="bucket_bytes",
+        value="True"),
     # error_feedback: a bool, nothing else.
     bad(sidco.compress, 0.1, error_feedback="no", error=TypeError, name="error_feedback",
         value="'no'"),
@@ -122,7 +130,7 @@ def test_bad_argument_raises_a_clear_error(call, error, pattern):
     [
         ("topk", {"capacity_factor": 2.0}, "capacity_factor"),
         ("sidco-e", {"estimator": "gamma"}, "estimator"),  # the name already chose it
-        ("dense", {"granularity": "leaf"}, "granularity"),
+        ("dense", {"capacity_factor": 2.0}, "capacity_factor"),
     ],
 )
 def test_compressor_refuses_unknown_options_listing_the_known(name, options, unknown):

@@ -20,10 +20,14 @@ indices are the same on every device (random-k) need only a ``psum`` of the
 values, which is always the cheapest.
 """
 
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import costs
+from sidco_jax._src import costs, sparse_allreduce
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import INDEX_BYTES, VALUE_BYTES, AxisName
 
@@ -49,7 +53,7 @@ def message_bytes(mode: str, size: int, capacity: int, shared: bool = False) -> 
     return capacity * (VALUE_BYTES + (0 if shared else INDEX_BYTES))
 
 
-def mean(
+def mean_of(
     payload: payload_lib.Payload,
     sizes: list[int],
     axis_name: AxisName | None,
@@ -86,3 +90,131 @@ def mean(
     # scatter adds into jnp.zeros: a target built with zeros_like from a
     # varying value would make the mean varying too.
     return payload_lib.scatter(values, indices, sizes)
+
+
+class Figures(NamedTuple):
+    """A step's figures, agreed across the axis by :func:`agree`.
+
+    Attributes:
+      finite: whether every device's gradient was finite.
+      sent: int32 entries sent (summed over devices).
+      selected: float32 entries above the threshold (summed over devices).
+      thresholds: float32 threshold(s), the mean over devices.
+      dropped: int32 non-finite residual entries dropped (summed over devices).
+    """
+
+    finite: jax.Array
+    sent: jax.Array
+    selected: jax.Array
+    thresholds: jax.Array
+    dropped: jax.Array
+
+
+def agree(axis_name: AxisName | None, local: Figures) -> Figures:
+    """This step's figures, identical on every device; one ``psum``.
+
+    Every device agrees on the step before anything is sent: one non-finite
+    device makes all of them send nothing, and the rule sees the same figures
+    everywhere.
+    """
+    if axis_name is None:
+        return local
+    finite, sent, selected, eta, dropped = local
+    ints = jnp.stack([(~finite).astype(jnp.int32), sent.astype(jnp.int32), dropped])
+    # Selected counts can exceed int32 once summed: float32 is enough for a density.
+    floats = jnp.concatenate([jnp.reshape(selected, (1,)).astype(jnp.float32), eta.reshape(-1)])
+    ints, floats = lax.psum((ints, floats), axis_name)
+    devices = lax.axis_size(axis_name)
+    eta = (floats[1:] / devices).reshape(eta.shape)
+    return Figures(ints[0] == 0, ints[1], floats[0], eta, ints[2])
+
+
+class Aggregated(NamedTuple):
+    """What the aggregate phase hands on.
+
+    Attributes:
+      mean: the mean update, one float32 vector per part (the part's shape
+        when everything was sent), identical on every device.
+      others: the mean of each complex leaf.
+      figures: the step's agreed :class:`Figures`.
+      message: static bytes one device sent.
+      sent: ``(indices, values)`` this device sent, global indices; None when
+        it sent every entry (or nothing, on a non-finite step).
+      kept: ``(indices, values)`` received as an owner of the sparse
+        all-reduce and not sent on; None in the other modes.
+    """
+
+    mean: list[jax.Array]
+    others: list[jax.Array]
+    figures: Figures
+    message: int
+    sent: tuple[jax.Array, jax.Array] | None
+    kept: tuple[jax.Array, jax.Array] | None
+
+
+def _dense_mean(xs, finite, axis_name):
+    """The gated ``pmean`` of ``xs`` (or ``xs`` itself, gated, without an axis)."""
+    xs = [jnp.where(finite, x, jnp.zeros((), x.dtype)) for x in xs]
+    return xs if axis_name is None else lax.pmean(xs, axis_name)
+
+
+def aggregate(
+    chosen,
+    fed,
+    others: Sequence[jax.Array],
+    axis_name: AxisName | None,
+    communication: str,
+    link: costs.Link,
+    reselect: Callable[[jax.Array], payload_lib.Payload],
+) -> Aggregated:
+    """The mean over ``axis_name`` of every device's choice, in the resolved mode.
+
+    Args:
+      chosen: the select phase's :class:`~sidco_jax._src.selection.Chosen`.
+      fed: the error-feedback phase's :class:`~sidco_jax._src.feedback.Fed`.
+      others: the complex leaves, averaged densely.
+      axis_name: the mesh axis (or tuple of axes), or None for local.
+      communication: the ``communication`` option (``"auto"`` resolved here).
+      link: the link of ``axis_name`` for ``"auto"``.
+      reselect: the owner's selection in the sparse all-reduce.
+    """
+    sizes = [x.size for x in fed.u]
+    n = sum(sizes)
+    payload, routed, mode = chosen.payload, None, "sparse"
+    if payload is None:
+        sent, selected = jnp.where(fed.finite, n, 0).astype(jnp.int32), jnp.int32(n)
+    else:
+        capacity = payload.values.shape[0]
+        if axis_name is not None and not chosen.shared:
+            mode = resolve(communication, n, capacity, lax.axis_size(axis_name), link)
+        if mode == "sparse_allreduce":  # what does not fit its owner's slots stays here
+            routed = sparse_allreduce.route(payload, n, lax.axis_size(axis_name))
+        count = payload.count if routed is None else routed.count
+        sent, selected = jnp.where(fed.finite, count, 0), payload.selected
+    local = Figures(fed.finite, sent, selected, chosen.thresholds, fed.dropped)
+    figures = agree(axis_name, local)
+    finite, sent_at, kept = figures.finite, None, None
+    with jax.named_scope("aggregate"):
+        if payload is None:
+            mean = _dense_mean(fed.u, finite, axis_name)
+            message = sum(x.size * x.dtype.itemsize for x in fed.u)
+        elif routed is None:
+            values = jnp.where(finite, payload.values, 0.0)
+            sent_at = (payload.indices, values)
+            mean = mean_of(payload._replace(values=values), sizes, axis_name, mode, chosen.shared)
+            message = (
+                chosen.bytes
+                if mode == "sparse"
+                else message_bytes(mode, n, capacity, chosen.shared)
+            )
+        else:
+            values = jnp.where(finite, payload.values, 0.0)
+            sent_at = (routed.sent, values)
+            routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
+            reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
+            mean, message = reduced.mean, reduced.message
+            kept = (reduced.kept_indices, reduced.kept_values)
+        # Complex leaves are averaged densely: never left out of the collective.
+        others = _dense_mean(others, finite, axis_name)
+    message += sum(c.size * c.dtype.itemsize for c in others)
+    return Aggregated(mean, others, figures, message, sent_at, kept)

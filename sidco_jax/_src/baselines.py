@@ -7,8 +7,8 @@ feedback, granularity, non-finite handling and metrics are the same for all,
 """
 
 import math
+from typing import Unpack
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -19,47 +19,29 @@ from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     SLOT_BYTES,
     VALUE_BYTES,
-    AxisName,
-    Communication,
-    Granularity,
     Rule,
     Selection,
     check_capacity_factor,
-    check_common,
     check_number,
     check_ratio,
-    check_seed,
     empty_init,
     static,
 )
 from sidco_jax._src.base import k_of as _k
-from sidco_jax._src.costs import Link
-from sidco_jax._src.loop import dense_mean, sparsifier
+from sidco_jax._src.loop import LoopOptions, sparsifier, takes_loop_options
+from sidco_jax._src.selection import everything
 
 
+@takes_loop_options
 def topk(
     ratio: float,
-    *,
-    granularity: Granularity = "model",
-    error_feedback: bool = True,
-    axis_name: AxisName | None = None,
-    communication: Communication = "auto",
-    inner_axis: AxisName | None = None,
-    link: Link | None = None,
-    warmup_steps: int = 0,
+    **options: Unpack[LoopOptions],
 ) -> optax.GradientTransformationExtraArgs:
     """Exact top-k sparsification (``lax.top_k``) with error feedback.
 
     Args:
       ratio: target density in (0, 1]; ``k = max(floor(n * ratio), 1)``.
-      granularity: ``"model"`` or ``"leaf"`` (see :func:`compress`).
-      error_feedback: keep what was not sent for the next step.
-      axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
-        ``"sparse_allreduce"`` (see :func:`compress`).
-      inner_axis: fast axis averaged densely first (see :func:`compress`).
-      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
-      warmup_steps: dense steps before compression starts (see :func:`compress`).
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -77,7 +59,7 @@ def topk(
       >>> tx.update(g, tx.init(g))[0]
       Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
     """
-    ratio = check_common(ratio, granularity, error_feedback)
+    ratio = check_ratio(static("ratio", ratio))
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
@@ -85,31 +67,15 @@ def topk(
         payload, kth = payload_lib.largest(vectors, k, k, k)
         return Selection(payload, kth, k * SLOT_BYTES)
 
-    return sparsifier(
-        Rule(empty_init, select),
-        ratio=ratio,
-        granularity=granularity,
-        error_feedback=error_feedback,
-        axis_name=axis_name,
-        communication=communication,
-        inner_axis=inner_axis,
-        link=link,
-        warmup_steps=warmup_steps,
-    )
+    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
 
+@takes_loop_options
 def dgc(
     ratio: float,
     *,
     sample_ratio: float = 0.01,
-    granularity: Granularity = "model",
-    error_feedback: bool = True,
-    seed: int = 0,
-    axis_name: AxisName | None = None,
-    communication: Communication = "auto",
-    inner_axis: AxisName | None = None,
-    link: Link | None = None,
-    warmup_steps: int = 0,
+    **options: Unpack[LoopOptions],
 ) -> optax.GradientTransformationExtraArgs:
     """Deep Gradient Compression's sampled threshold (Lin et al., 2018).
 
@@ -121,15 +87,7 @@ def dgc(
     Args:
       ratio: target density in (0, 1].
       sample_ratio: fraction of the entries sampled, in (0, 1].
-      granularity: ``"model"`` or ``"leaf"``.
-      error_feedback: keep what was not sent for the next step.
-      axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
-        ``"sparse_allreduce"`` (see :func:`compress`).
-      inner_axis: fast axis averaged densely first (see :func:`compress`).
-      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
-      warmup_steps: dense steps before compression starts (see :func:`compress`).
-      seed: seed of the sample (the same on every device), in ``[0, 2**32 - 1]``.
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -140,23 +98,17 @@ def dgc(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_common(ratio, granularity, error_feedback)
+    ratio = check_ratio(static("ratio", ratio))
     sample_ratio = check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
-    seed = check_seed(seed)
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
         n = passes.size(vectors)
         k = _k(n, ratio)
         cap = min(math.ceil(4 * k / 3), n)
-        # Each vector sampled in proportion to its size (stratified by leaf).
-        sample = []
-        for v, part in zip(vectors, jax.random.split(key, len(vectors)), strict=True):
-            m = v.shape[0]
-            if m:
-                size = min(max(math.ceil(sample_ratio * m), 1), m)
-                sample.append(jnp.abs(v[jax.random.randint(part, (size,), 0, m)]))
-        sample = jnp.concatenate(sample) if len(sample) > 1 else sample[0]
+        # A stratified sample over the whole index space: the same entries in every layout.
+        size = min(max(math.ceil(sample_ratio * n), 1), n)
+        sample = jnp.abs(payload_lib.gather_strata(vectors, *payload_lib.draw_strata(key, n, size)))
         size = sample.shape[0]
         eta = jnp.min(lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0])
         selected = passes.count_above(vectors, eta)
@@ -170,32 +122,16 @@ def dgc(
         payload, eta = lax.cond(selected > cap, trim, keep, None)
         return Selection(payload, eta, cap * SLOT_BYTES)
 
-    return sparsifier(
-        Rule(empty_init, select),
-        ratio=ratio,
-        granularity=granularity,
-        error_feedback=error_feedback,
-        seed=seed,
-        axis_name=axis_name,
-        communication=communication,
-        inner_axis=inner_axis,
-        link=link,
-        warmup_steps=warmup_steps,
-    )
+    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
 
+@takes_loop_options
 def redsync(
     ratio: float,
     *,
     capacity_factor: float = 2.0,
     tolerance: float = 1e-3,
-    granularity: Granularity = "model",
-    error_feedback: bool = True,
-    axis_name: AxisName | None = None,
-    communication: Communication = "auto",
-    inner_axis: AxisName | None = None,
-    link: Link | None = None,
-    warmup_steps: int = 0,
+    **options: Unpack[LoopOptions],
 ) -> optax.GradientTransformationExtraArgs:
     """RedSync's trimmed threshold (Fang et al., 2019).
 
@@ -207,14 +143,7 @@ def redsync(
       ratio: target density in (0, 1].
       capacity_factor: payload slots per ``k`` (default 2, RedSync's window).
       tolerance: smallest bracket width of ``t``, in (0, 1).
-      granularity: ``"model"`` or ``"leaf"``.
-      error_feedback: keep what was not sent for the next step.
-      axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
-        ``"sparse_allreduce"`` (see :func:`compress`).
-      inner_axis: fast axis averaged densely first (see :func:`compress`).
-      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
-      warmup_steps: dense steps before compression starts (see :func:`compress`).
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -225,7 +154,7 @@ def redsync(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_common(ratio, granularity, error_feedback)
+    ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
     tolerance = check_number("tolerance", tolerance, 0.0, 1.0, open_low=True, open_high=True)
 
@@ -264,30 +193,15 @@ def redsync(
         eta = threshold_at(jnp.where(in_window(count), t, lo))
         return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
-    return sparsifier(
-        Rule(empty_init, select),
-        ratio=ratio,
-        granularity=granularity,
-        error_feedback=error_feedback,
-        axis_name=axis_name,
-        communication=communication,
-        inner_axis=inner_axis,
-        link=link,
-        warmup_steps=warmup_steps,
-    )
+    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
 
+@takes_loop_options
 def gaussiank(
     ratio: float,
     *,
     capacity_factor: float = 4 / 3,
-    granularity: Granularity = "model",
-    error_feedback: bool = True,
-    axis_name: AxisName | None = None,
-    communication: Communication = "auto",
-    inner_axis: AxisName | None = None,
-    link: Link | None = None,
-    warmup_steps: int = 0,
+    **options: Unpack[LoopOptions],
 ) -> optax.GradientTransformationExtraArgs:
     """Gaussian-k (Shi et al., 2019): a normal quantile, then up to 3 corrections.
 
@@ -298,14 +212,7 @@ def gaussiank(
     Args:
       ratio: target density in (0, 1].
       capacity_factor: payload slots per ``k`` (default 4/3, the upper band).
-      granularity: ``"model"`` or ``"leaf"``.
-      error_feedback: keep what was not sent for the next step.
-      axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
-        ``"sparse_allreduce"`` (see :func:`compress`).
-      inner_axis: fast axis averaged densely first (see :func:`compress`).
-      link: the link of ``axis_name`` for ``"auto"`` (see :func:`compress`).
-      warmup_steps: dense steps before compression starts (see :func:`compress`).
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -316,7 +223,7 @@ def gaussiank(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_common(ratio, granularity, error_feedback)
+    ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
 
     def select(vectors, abs_sums, state, key):
@@ -344,28 +251,13 @@ def gaussiank(
         eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.zeros_like(eta, bool)))
         return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
 
-    return sparsifier(
-        Rule(empty_init, select),
-        ratio=ratio,
-        granularity=granularity,
-        error_feedback=error_feedback,
-        axis_name=axis_name,
-        communication=communication,
-        inner_axis=inner_axis,
-        link=link,
-        warmup_steps=warmup_steps,
-    )
+    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
 
+@takes_loop_options
 def randomk(
     ratio: float,
-    *,
-    granularity: Granularity = "model",
-    error_feedback: bool = True,
-    seed: int = 0,
-    axis_name: AxisName | None = None,
-    inner_axis: AxisName | None = None,
-    warmup_steps: int = 0,
+    **options: Unpack[LoopOptions],
 ) -> optax.GradientTransformationExtraArgs:
     """Random-k: ``k`` random entries, the same on every device.
 
@@ -380,12 +272,7 @@ def randomk(
 
     Args:
       ratio: target density in (0, 1].
-      granularity: ``"model"`` or ``"leaf"``.
-      error_feedback: keep what was not sent for the next step.
-      axis_name: mesh axis (or tuple of axes) to average over; None for local.
-      seed: seed of the draw, in ``[0, 2**32 - 1]``.
-      inner_axis: fast axis averaged densely first (see :func:`compress`).
-      warmup_steps: dense steps before compression starts (see :func:`compress`).
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -396,54 +283,47 @@ def randomk(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_common(ratio, granularity, error_feedback)
-    seed = check_seed(seed)
+    ratio = check_ratio(static("ratio", ratio))
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
         n = passes.size(vectors)
         k = _k(n, ratio)
-        # k strata of n // k entries, the first n % k of them one longer (exact in int32).
-        j = jnp.arange(k, dtype=jnp.int32)
-        start = j * (n // k) + jnp.minimum(j, n % k)
-        width = n // k + (j < n % k).astype(jnp.int32)
-        offset = jnp.floor(jax.random.uniform(key, (k,)) * width).astype(jnp.int32)
-        idx = start + jnp.minimum(offset, width - 1)
+        idx, _, _ = payload_lib.draw_strata(key, n, k)
         values = payload_lib.gather(vectors, idx)
         payload = payload_lib.Payload(values, idx, jnp.int32(k), jnp.int32(k))
         zero = jnp.zeros((), jnp.float32)
         return Selection(payload, zero, k * VALUE_BYTES, shared=True)
 
-    return sparsifier(
-        Rule(empty_init, select),
-        ratio=ratio,
-        granularity=granularity,
-        error_feedback=error_feedback,
-        seed=seed,
-        axis_name=axis_name,
-        inner_axis=inner_axis,
-        warmup_steps=warmup_steps,
-    )
+    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
 
-def dense(
-    *, axis_name: AxisName | None = None, inner_axis: AxisName | None = None
-) -> optax.GradientTransformationExtraArgs:
+@takes_loop_options
+def dense(**options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraArgs:
     """No compression: the plain mean of the gradient over ``axis_name``.
 
     The same loop as the compressors with a rule that sends everything: a
-    ``pmean`` of the gradient, no residual, metrics reporting density 1 and
-    the dense message bytes, and a non-finite step skipped on every device.
+    ``pmean`` of the gradient, metrics reporting density 1 and the dense
+    message bytes, and a non-finite step skipped on every device. It keeps no
+    residual unless ``error_feedback=True`` is asked for (one that stays
+    zero); ``communication`` does not apply.
 
     Args:
-      axis_name: mesh axis (or tuple of axes) to ``pmean`` over; None passes
-        the gradient through unchanged.
-      inner_axis: a second axis to ``pmean`` over first (as the compressors'
-        hierarchical mode does; the result is the mean over both).
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`); with
+        ``axis_name=None`` the gradient passes through unchanged, and with an
+        ``inner_axis`` the mean is over both axes.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`~sidco_jax.CompressState`, so :func:`sidco_jax.metrics` and
       :func:`sidco_jax.state_specs` work for it too.
+
+    Examples:
+      >>> import jax.numpy as jnp, sidco_jax as sidco
+      >>> tx = sidco.dense()
+      >>> g = jnp.array([0.1, -5.0, 0.3])
+      >>> tx.update(g, tx.init(g))[0]
+      Array([ 0.1, -5. ,  0.3], dtype=float32)
     """
-    return dense_mean(axis_name, inner_axis)
+    options = {"error_feedback": False, **options}
+    return sparsifier(Rule(empty_init, everything), ratio=1.0, **options)

@@ -77,3 +77,28 @@ def hlo_collectives(compiled: Any) -> list[Collective]:
         operand = {"all-gather": result // size, "reduce-scatter": result * size}.get(kind, result)
         found.append(Collective(kind, operand, result, size))
     return found
+
+
+_LAUNCH = re.compile(r"^\s*%?\S+\s*=\s*.*?\s(fusion|while|sort|custom-call)\(")
+LAUNCH_KINDS = ("fusion", "while", "sort", "custom-call")
+
+
+def hlo_launches(hlo_text: str) -> dict[str, int]:
+    """Counts the ops of an optimized HLO module that each launch a kernel on a GPU.
+
+    Fusions, while loops, sorts and custom calls, in every computation (a
+    loop's body counts once). XLA:CPU fuses differently from XLA:GPU, so on
+    the CPU this is a proxy, but one that grows as the GPU's count grows.
+
+    Args:
+      hlo_text: ``jax.jit(f).lower(...).compile().as_text()``.
+
+    Returns:
+      ``{kind: count}`` for each of :data:`LAUNCH_KINDS`.
+    """
+    counts = dict.fromkeys(LAUNCH_KINDS, 0)
+    for line in hlo_text.splitlines():
+        match = _LAUNCH.match(line.split(", metadata=")[0])
+        if match:
+            counts[match.group(1)] += 1
+    return counts

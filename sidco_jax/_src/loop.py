@@ -1,29 +1,34 @@
-"""The error-feedback and aggregation loop that every compressor runs.
+"""The loop every compressor runs, as phases that hand small NamedTuples on.
 
-One step on each device, leaf by leaf over the floating-point leaves of the
-gradient tree (never copied into one flat vector)::
+One step on each device, over the *parts* of the gradient (its
+floating-point leaves as they are, or packed into buckets: :mod:`layout`)::
 
-    u        = g + residual                  # error feedback
-    payload  = rule.select(u)                # whole model (default) or per leaf
-    update   = mean over devices of payloads # aggregate.py; local if no axis
-    residual = u - payload                   # everything not sent, exactly
-    rule     = rule.observe(figures)         # e.g. SIDCo's stage controller
+    pack            g, r     = parts of the gradient and of the residual
+    error_feedback  u        = g + r, and sum |u| per part     (feedback.py)
+    select          payload  = rule.select(u)                  (selection.py)
+    aggregate       update   = mean over devices of payloads   (aggregate.py)
+    write_back      residual = u - payload                     (feedback.py)
+    unpack          the update's leaves, the residual's storage
+                    rule     = rule.observe(figures)           (e.g. SIDCo's stage controller)
 
 :func:`sparsifier` builds that loop around any :class:`~sidco_jax.Rule`;
 SIDCo's :func:`~sidco_jax.compress`, the baselines and :func:`~sidco_jax.dense`
-differ only in the rule. Integer and boolean leaves pass through untouched. A
-step where any device's gradient (or residual) holds a non-finite value sends
-nothing anywhere, keeps every residual and raises the ``nonfinite`` flag of the
-metrics, so one bad batch cannot poison a residual. Whatever gates state (that
-flag, the figures a rule observes) is reduced across the axis first, so every
-device takes the same decision and the update stays replicated.
+differ only in the rule. Integer and boolean leaves pass through untouched,
+complex leaves are averaged densely. A step where any device's gradient (or
+residual) holds a non-finite value sends nothing anywhere, keeps every
+residual and raises the ``nonfinite`` flag of the metrics, so one bad batch
+cannot poison a residual. Whatever gates state (that flag, the figures a rule
+observes) is reduced across the axis first, so every device takes the same
+decision and the update stays replicated.
 
-Each phase runs under a ``jax.named_scope``: ``error_feedback`` (the first pass
-and ``u``), ``select`` (the rule; forming the payload is ``select/payload``),
-``aggregate`` (the mean and the dense update) and ``write_back`` (the
-residual). A profile (TensorBoard, Perfetto) thus shows what each one costs;
+Each phase runs under a ``jax.named_scope`` of its name, so a profile
+(TensorBoard, Perfetto) shows what each one costs;
 ``python -m benchmarks.overhead phases`` reads them out of one.
 """
+
+import functools
+import inspect
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +36,26 @@ import numpy as np
 import optax
 from jax import lax
 
-from sidco_jax._src import aggregate, costs, passes, sparse_allreduce
-from sidco_jax._src import payload as payload_lib
+from sidco_jax._src import aggregate as aggregate_lib
+from sidco_jax._src import costs, feedback, selection
+from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
-    VALUE_BYTES,
     AxisName,
     Communication,
     CompressMetrics,
     CompressState,
     Granularity,
     Rule,
-    Selection,
     check_axis,
     check_common,
     check_integer,
     check_seed,
-    cond_on_device,
     empty_init,
     is_float,
 )
+from sidco_jax._src.layout import Buckets, Layout
+from sidco_jax._src.warmup import warmed_up
 
 
 def step_metrics(ratio, sent, selected, n, eta, message, finite, dropped=0) -> CompressMetrics:
@@ -66,96 +71,6 @@ def step_metrics(ratio, sent, selected, n, eta, message, finite, dropped=0) -> C
         nonfinite=~finite,
         dropped=jnp.asarray(dropped, jnp.int32),
     )
-
-
-def reduce_figures(axis_name, finite, sent, selected, eta, dropped):
-    """This step's figures agreed across ``axis_name``: identical on every device.
-
-    Returns ``(finite, sent, selected, eta, dropped)``: finite on every
-    device, the total entries sent and selected, the mean threshold and the
-    total residual entries dropped. One ``psum``.
-    """
-    if axis_name is None:
-        return finite, sent, selected, eta, dropped
-    ints = jnp.stack([(~finite).astype(jnp.int32), sent.astype(jnp.int32), dropped])
-    # Selected counts can exceed int32 once summed: float32 is enough for a density.
-    floats = jnp.concatenate([jnp.reshape(selected, (1,)).astype(jnp.float32), eta.reshape(-1)])
-    ints, floats = lax.psum((ints, floats), axis_name)
-    devices = lax.axis_size(axis_name)
-    return ints[0] == 0, ints[1], floats[0], (floats[1:] / devices).reshape(eta.shape), ints[2]
-
-
-def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
-    """One payload over the concatenated groups from per-group payloads (k-sized)."""
-    if len(chosen) == 1:
-        return chosen[0].payload
-    n = sum(sizes)
-    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
-    indices = [
-        jnp.where(c.payload.indices < size, c.payload.indices + offset, n)
-        for c, size, offset in zip(chosen, sizes, offsets, strict=True)
-    ]
-    return payload_lib.Payload(
-        jnp.concatenate([c.payload.values for c in chosen]),
-        jnp.concatenate(indices).astype(jnp.int32),
-        sum((c.payload.count for c in chosen), jnp.int32(0)),
-        sum((c.payload.selected for c in chosen), jnp.int32(0)),
-    )
-
-
-def _round_to_leaves(values, indices, dtypes, sizes):
-    """Rounds each sent value to the dtype of the leaf it belongs to, saturating.
-
-    The update leaves in the gradient's dtype; rounding here, on the payload,
-    lets the residual keep the rounding error so that bf16/fp16 lose nothing.
-    A value beyond the dtype's range is sent as its largest finite value, and
-    the residual keeps the excess: an update is never infinite.
-    """
-
-    def rounded(dtype):
-        top = float(jnp.finfo(dtype).max)
-        return jnp.clip(values, -top, top).astype(dtype).astype(jnp.float32)
-
-    narrow = [jnp.finfo(d).bits < 32 for d in dtypes]  # float32 and float64 hold the values
-    if not any(narrow):
-        return values
-    if all(narrow) and len(set(dtypes)) == 1:
-        return rounded(dtypes[0])
-    offsets = np.cumsum([0, *sizes])
-    out = values
-    for dtype, start, stop, cut in zip(dtypes, offsets[:-1], offsets[1:], narrow, strict=True):
-        if cut:
-            mine = (indices >= start) & (indices < stop)
-            out = jnp.where(mine, rounded(dtype), out)
-    return out
-
-
-def residual_like(params, error_feedback: bool = True):
-    """A zero float32 residual for every floating-point leaf of ``params``.
-
-    Shaped like the leaf (at least 1-D, so it can be split over a mesh axis);
-    a zero-size vector for other leaves. None without error feedback.
-    """
-    if not error_feedback:
-        return None
-
-    def zero(leaf):
-        return jnp.zeros(_residual_shape(leaf), _residual_dtype(leaf))
-
-    return jax.tree.map(zero, params)
-
-
-def _residual_dtype(leaf):
-    """float32, or the leaf's own dtype where it is wider (float64 under x64)."""
-    return (
-        jnp.promote_types(jnp.asarray(leaf).dtype, jnp.float32) if is_float(leaf) else jnp.float32
-    )
-
-
-def _residual_shape(leaf) -> tuple[int, ...]:
-    if not is_float(leaf):
-        return (0,)
-    return jnp.shape(leaf) or (1,)
 
 
 def _check_size(n: int) -> None:
@@ -198,91 +113,143 @@ def _devices(axis_name) -> int:
         ) from error
 
 
-def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.Array:
-    """``x`` with ``values`` subtracted at row-major ``flat_index`` (``x.size``: dropped).
-
-    Indexed in ``x``'s own shape, so XLA updates it in place in its buffer.
-    """
-    if x.size == 0:
-        return x
-    index, rest = [], flat_index
-    for dim in reversed(x.shape[1:]):
-        index.append(rest % dim)
-        rest = rest // dim
-    index.append(rest)  # the padding index x.size lands past the first axis: dropped
-    return x.at[tuple(reversed(index))].add(-values, mode="drop")
+def _residual_shape(leaf) -> tuple[int, ...]:
+    if not is_float(leaf):
+        return (0,)
+    return jnp.shape(leaf) or (1,)
 
 
-def _abs_sum(pair, zero):
-    g, r = pair
-    return jnp.abs(g.astype(r.dtype) + r) + zero
-
-
-def _finite(x) -> jax.Array:
-    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
-
-
-def _recovered(g, r, gradient_ok):
-    """``g + r`` without what is not finite: a bad gradient or bad residual entries are dropped.
-
-    A sum beyond float32's range saturates, so the entry is sent early rather than lost.
-    """
-    top = jnp.finfo(r.dtype).max
-    g = jnp.where(gradient_ok, g.astype(r.dtype), jnp.zeros((), r.dtype))
-    return jnp.clip(_finite(g) + _finite(r), -top, top)
-
-
-def _diagnose(pairs, others, error_feedback):
-    """Runs only when a per-leaf sum is not finite: what exactly is wrong.
-
-    Returns whether every gradient entry is finite, how many residual entries
-    are not (to be dropped), and the per-leaf sums ``|g + r|`` of what remains.
-    """
-    gradient_ok = jnp.all(
-        jnp.stack(
-            [jnp.all(jnp.isfinite(g)) for g, _ in pairs]
-            + [jnp.all(jnp.isfinite(c)) for c in others]
+def _check_tree(updates, residual) -> None:
+    """Refuses a gradient tree unlike the one ``init`` saw (recorded by the residual's shapes)."""
+    want, got = jax.tree.structure(residual), jax.tree.structure(updates)
+    if want != got:
+        raise ValueError(
+            f"the gradient's tree structure {got} does not match the one given to init {want}"
         )
-    )
-    dropped = jnp.zeros_like(gradient_ok, jnp.int32)  # varies across devices like the rest
-    if error_feedback:
-        # Counted in the metrics, not warned about from the device: a host callback
-        # anywhere in the update, even in this branch that seldom runs, cost about a
-        # sixth of every update on XLA's CPU backend (docs/benchmarks.md).
-        dropped += sum(jnp.sum(~jnp.isfinite(r), dtype=jnp.int32) for _, r in pairs)
-    sums = [jnp.sum(jnp.abs(_recovered(g, r, gradient_ok))) for g, r in pairs]
-    sums += [jnp.sum(jnp.abs(_finite(c))) for c in others]
-    return gradient_ok, dropped, jnp.stack(sums).astype(jnp.float32)
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, leaf), r in zip(paths, jax.tree.leaves(residual), strict=True):
+        if _residual_shape(leaf) != r.shape:
+            seen = f"a leaf of shape {r.shape}" if r.size else "a non-floating-point leaf"
+            raise ValueError(
+                f"gradient leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} and "
+                f"dtype {jnp.asarray(leaf).dtype}, but init saw {seen} there: the residual would "
+                "be added to the wrong entries (call init with parameters like the gradients)"
+            )
 
 
-def _fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
-    """Fills the payload with the largest magnitudes where a rule selected nothing to send.
+def _check_buckets(residual: Buckets, parts) -> None:
+    """Refuses a gradient that does not pack into the buckets ``init`` made."""
+    have = [(b.shape[0], str(b.dtype)) for b in residual.buckets]
+    want = [(p.size, str(p.dtype)) for p in parts]
+    if have != want:
+        raise ValueError(
+            f"the gradient packs into buckets of (entries, dtype) {want}, but init made "
+            f"{have}: the residual would be added to the wrong entries (call init with "
+            "parameters like the gradients)"
+        )
 
-    Ties at the threshold (all-equal magnitudes, which error feedback keeps
-    tied) or a threshold over the top would otherwise leave the paid-for
-    payload empty step after step. The exact top-``capacity`` then fills it,
-    ties going to the lower index as in top-k; it only runs on such steps. It
-    is found by counting passes, not ``lax.top_k``: on a GPU the sort of an
-    untaken branch still reserved three gradient sizes of memory.
+
+def _check_layout(asked: str, residual) -> str:
+    """The layout ``residual`` is stored in, refused where the compressor asked for another."""
+    held = layout_lib.describe(residual)
+    if asked != "auto" and asked != held:
+        raise ValueError(
+            f"the state holds a residual in the {held!r} layout, but this compressor was built "
+            f"with layout={asked!r}: take the state from its init (sidco.restore converts a "
+            "checkpoint from one layout to the other)"
+        )
+    return held
+
+
+def _init_residual(params, layout: str, bucket_bytes: int, by_leaf: bool):
+    """A zero residual: a tree like ``params`` (``"tree"``) or :class:`Buckets`."""
+    if layout == "buckets":
+        floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
+        return layout_lib.empty(layout_lib.plan(floats, layout, bucket_bytes, by_leaf))
+
+    def zero(leaf):
+        return jnp.zeros(_residual_shape(leaf), layout_lib.residual_dtype(leaf))
+
+    return jax.tree.map(zero, params)
+
+
+def _residual_parts(residual, parts, float_at) -> list[jax.Array]:
+    """The residual cut into ``parts``; a scalar zero per part without error feedback.
+
+    Without error feedback a scalar zero stands in: a full-size one was written
+    and read on every step (passes' barriers keep XLA from folding it).
     """
-    payload = chosen.payload
-    if payload is None or chosen.shared:
-        return chosen
-    capacity = payload.values.shape[0]
-    starved = (payload.selected == 0) & (abs_sum > 0)
+    if residual is None:
+        return [jnp.zeros((), p.dtype) for p in parts]
+    if isinstance(residual, Buckets):
+        return list(residual.buckets)
+    leaves = jax.tree.leaves(residual)
+    return layout_lib.pack(parts, [leaves[i] for i in float_at])
 
-    payload, eta = cond_on_device(
-        starved,
-        lambda: payload_lib.top_by_count(vectors, capacity),
-        lambda: (payload, jnp.asarray(chosen.threshold, jnp.float32)),
+
+def _stored(residual, parts, left, float_at):
+    """The new residual in ``residual``'s storage, from the parts ``left``."""
+    if isinstance(residual, Buckets):
+        return Buckets(tuple(left))
+    leaves, treedef = jax.tree.flatten(residual)
+    floats = [leaves[i] for i in float_at]
+    for j, x in layout_lib.unpack(parts, left, floats).items():
+        leaves[float_at[j]] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _reselect(rule: Rule, rule_state, key):
+    """The owner's selection in the sparse all-reduce: the same rule on its region's sum."""
+
+    def reselect(region):
+        abs_sum = jnp.sum(jnp.abs(region))
+        again = rule.select([region], abs_sum[None], rule_state, key)
+        return selection.fill_if_starved(again, [region], abs_sum).payload
+
+    return reselect
+
+
+def _unpack(parts, leaves, float_at, complex_at, done) -> list:
+    """The update's leaves: the mean cut out of the parts, the complex means, the rest as given."""
+    out = list(leaves)
+    floats = [jnp.asarray(leaves[i]) for i in float_at]
+    mean = layout_lib.unpack(parts, done.mean, floats)
+    for j, i in enumerate(float_at):  # zero-size leaves are in no part
+        out[i] = mean[j] if j in mean else jnp.zeros(floats[j].shape, floats[j].dtype)
+    for i, c in zip(complex_at, done.others, strict=True):
+        out[i] = c
+    return out
+
+
+def _metrics(ratio, done, n: int) -> CompressMetrics:
+    """The step's :class:`CompressMetrics` from the aggregate phase's agreed figures."""
+    f = done.figures
+    return step_metrics(
+        ratio, f.sent, f.selected, n, f.thresholds, done.message, f.finite, f.dropped
     )
-    return chosen._replace(payload=payload, threshold=eta)
 
 
-def everything(vectors, abs_sums, state, key) -> Selection:
-    """The :class:`~sidco_jax.SelectFn` of no compression: every entry is sent."""
-    del abs_sums, state, key
-    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
+class LoopOptions(TypedDict, total=False):
+    """The options every compressor takes: the keywords of :func:`sparsifier`.
+
+    Defined once, here; each factory (:func:`~sidco_jax.compress`,
+    :func:`~sidco_jax.topk`, ..., :func:`~sidco_jax.dense`) adds its own
+    options to these. Their meaning and defaults are :func:`sparsifier`'s.
+    """
+
+    granularity: Granularity
+    error_feedback: bool
+    seed: int
+    axis_name: AxisName | None
+    communication: Communication
+    inner_axis: AxisName | None
+    link: costs.Link | None
+    warmup_steps: int
+    layout: Layout
+    bucket_bytes: int | None
+
+
+LOOP_OPTIONS: tuple[str, ...] = tuple(LoopOptions.__annotations__)
 
 
 def sparsifier(
@@ -297,47 +264,75 @@ def sparsifier(
     inner_axis: AxisName | None = None,
     link: costs.Link | None = None,
     warmup_steps: int = 0,
+    layout: Layout = "auto",
+    bucket_bytes: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
 
-    Nothing copies the gradient into one flat vector: the residual is a tree
-    like the parameters, the rule's statistics are summed leaf by leaf, the
-    payload's indices run over the leaves in ``jax.tree.leaves`` order, the
-    update and the residual are written leaf by leaf, and the non-finite gate
-    acts on the fixed-size payload and the step's figures.
-
     Floating-point leaves are compressed; complex leaves are averaged densely
     over ``axis_name`` (under the same non-finite gate); other leaves pass
-    through untouched. Zero-size leaves take no part.
+    through untouched. Zero-size leaves take no part. The payload's indices
+    run over the floating-point entries in ``jax.tree.leaves`` order, in
+    every layout.
 
     Args:
       rule: the :class:`~sidco_jax.Rule` choosing what to send.
       ratio: target density (reported in the metrics).
-      granularity: ``"model"`` (one selection over all floating-point leaves)
-        or ``"leaf"`` (one per leaf, merged into one message).
+      granularity: ``"model"`` (one selection over all floating-point leaves,
+        as in the paper) or ``"leaf"`` (one threshold and payload per leaf,
+        merged into one message).
       error_feedback: keep what was not sent and add it to the next gradient.
-      seed: seed of the rule's randomness; the key of step ``t`` is
-        ``fold_in(key(seed), t)``, the same on every device.
-      axis_name: mesh axis (or tuple of axes) to average the update over, or
-        None to sparsify locally.
-      communication: ``"auto"``, ``"sparse"``, ``"dense"`` or
-        ``"sparse_allreduce"`` (see :func:`sidco_jax.compress`).
-      inner_axis: a fast mesh axis (or tuple) to average over densely before
-        compressing over ``axis_name`` (hierarchical aggregation; see
-        :func:`sidco_jax.compress`).
-      link: the :class:`~sidco_jax.Link` of ``axis_name`` for ``"auto"``.
-      warmup_steps: the first ``warmup_steps`` steps send the dense mean, as
-        :func:`sidco_jax.dense` does, leaving the residual and the rule's
-        state untouched; compression starts at step ``warmup_steps``. An
-        int >= 0.
+      seed: seed of the rule's randomness, in ``[0, 2**32 - 1]``; the key of
+        step ``t`` is ``fold_in(key(seed), t)``, the same on every device.
+        Deterministic rules ignore it.
+      axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
+        ``jax.pmap`` to average the update over; None (default) sparsifies
+        locally with no collective. With an axis the update is the mean of
+        all devices' messages, identical on every device, and the residual is
+        per device (see :func:`sidco_jax.state_specs`).
+      communication: how the messages are averaged over ``axis_name``:
+        ``"sparse"`` (``all_gather`` of values and indices, then a
+        scatter-add: each device receives ``(P - 1) x capacity`` slots),
+        ``"sparse_allreduce"`` (each entry routed to the device owning its
+        region with ``all_to_all``, reduced and selected again there, then
+        gathered: under ``3 x capacity`` slots per device whatever ``P``),
+        ``"dense"`` (``psum`` of the densified message, for fast links) or
+        ``"auto"`` (default: the cheapest under the alpha-beta model of
+        ``link``, decided at trace time; see docs/distributed.md).
+      inner_axis: a fast mesh axis (or tuple), e.g. the devices of one node,
+        averaged densely (``pmean``) before compressing over ``axis_name``
+        (the slow axis across nodes): hierarchical aggregation. Every device
+        of a node then holds and compresses the same vector, so the residual
+        is per node: shard it over ``axis_name`` only
+        (``state_specs(state, axis_name)``).
+      link: a :class:`~sidco_jax.costs.Link` (latency, bandwidth) of
+        ``axis_name`` for ``"auto"``; default ``Link()`` (5 us, 100 Gbit/s).
+      warmup_steps: the first ``warmup_steps`` steps send the dense mean of
+        the gradient (exactly :func:`sidco_jax.dense`'s update), with the
+        residual and the rule's state untouched and the metrics reporting
+        the dense bytes; compression starts at step ``warmup_steps``. An int
+        >= 0 (default 0: compress from the first step).
+      layout: how the loop holds the gradient and the residual: ``"tree"``
+        (leaf by leaf, small leaves packed together: fastest on XLA:CPU),
+        ``"buckets"`` (packed into a few flat buckets: the kernels launched
+        do not grow with the leaf count, for GPU and TPU) or ``"auto"``
+        (default: the tree on CPU, buckets elsewhere, decided at ``init``).
+        Both give the same result; :func:`sidco_jax.restore` converts a
+        checkpoint from one to the other.
+      bucket_bytes: the most bytes of residual per bucket, a positive int
+        (default None: 25 MiB, PyTorch DDP's); a larger leaf is a bucket of
+        its own. Static: it sets the buckets' shapes.
 
     Returns:
       The transformation; its state is a :class:`~sidco_jax.CompressState`.
 
     Raises:
-      ValueError: at ``update``, for a gradient tree unlike the one given to
-        ``init`` (structure, shapes, which leaves are floating point) or with
-        more than ``2**31 - 1`` floating-point entries.
+      TypeError: at construction, for an option of the wrong type.
+      ValueError: at construction, for an option out of range or an unknown
+        name; at ``update``, for a gradient tree unlike the one given to
+        ``init`` (structure, shapes, which leaves are floating point), a state
+        in another layout than ``layout`` asks for, or more than
+        ``2**31 - 1`` floating-point entries.
       NameError: at ``update``, when ``axis_name`` or ``inner_axis`` is not
         bound (the update is not inside ``jax.shard_map`` or ``jax.pmap``
         over it).
@@ -347,14 +342,19 @@ def sparsifier(
     check_axis(axis_name, communication, inner_axis)
     link = costs.check_link(link)
     warmup_steps = check_integer("warmup_steps", warmup_steps, 0)
+    bucket_bytes = layout_lib.check_layout(layout, bucket_bytes)
+    by_leaf = granularity == "leaf"
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
         _check_size(sum(int(np.prod(jnp.shape(leaf))) for leaf in floats))
         zero = jnp.zeros((), jnp.int32)
-        eta = jnp.zeros((len(floats),) if granularity == "leaf" else (), jnp.float32)
+        eta = jnp.zeros((len(floats),) if by_leaf else (), jnp.float32)
+        residual = None
+        if error_feedback:
+            residual = _init_residual(params, layout_lib.resolve(layout), bucket_bytes, by_leaf)
         return CompressState(
-            residual=residual_like(params, error_feedback),
+            residual=residual,
             count=zero,
             last=step_metrics(ratio, zero, zero, 1, eta, 0, jnp.array(True)),
             rule=rule.init(params),
@@ -362,232 +362,107 @@ def sparsifier(
 
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
-        if error_feedback:
-            _check_tree(updates, state.residual)
-        devices = _devices(axis_name)
-        if inner_axis is not None:
-            # Hierarchical: the node's mean first, over the fast links; every
-            # device of the node then compresses the same vector identically.
-            _devices(inner_axis)
-            updates = jax.tree.map(
-                lambda x: lax.pmean(x, inner_axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-                updates,
-            )
         leaves, treedef = jax.tree.flatten(updates)
         float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
         complex_at = [
             i for i, leaf in enumerate(leaves) if jnp.iscomplexobj(leaf) and np.size(leaf)
         ]
         grads = [jnp.asarray(leaves[i]) for i in float_at]
-        sizes = [g.size for g in grads]
-        n = sum(sizes)
+        n = sum(g.size for g in grads)
         _check_size(n)
         if n == 0 and not complex_at:
             return updates, state._replace(count=state.count + 1)
-        others = [jnp.asarray(leaves[i]) for i in complex_at]
-        # Everything full-size keeps the residual's shapes (the leaf's, at least
-        # 1-D): a reshape between the in-place write-back and the donated state
-        # would cost XLA a copy of every multi-dimensional leaf.
+        devices = _devices(axis_name)
+        held = layout_lib.resolve(layout)
         if error_feedback:
-            old = jax.tree.leaves(state.residual)
-            pairs = [
-                (g.reshape(old[i].shape), old[i]) for g, i in zip(grads, float_at, strict=True)
-            ]
-        else:
-            # A scalar zero stands in for the residual: a full-size one was written
-            # and read on every step (passes' barriers keep XLA from folding it).
-            pairs = [
-                (g.reshape(np.shape(g) or (1,)), jnp.zeros((), _residual_dtype(g))) for g in grads
-            ]
+            held = _check_layout(layout, state.residual)
+        parts = layout_lib.plan(grads, held, bucket_bytes, by_leaf)
+        if error_feedback and held == "tree":
+            _check_tree(updates, state.residual)
+        elif error_feedback:
+            _check_buckets(state.residual, parts)
+        others = [jnp.asarray(leaves[i]) for i in complex_at]
 
-        # First pass, fused with the residual add: sum(|g + r|) per leaf, for
-        # the finite check and for the rules' statistics. Only where a sum is
-        # not finite does a second look tell a bad gradient (the step is
-        # skipped) from bad residual entries (dropped) or a mere overflow.
-        with jax.named_scope("error_feedback"):
-            abs_sums = passes.reduce_parts(pairs, _abs_sum)
-            abs_sums += [jnp.sum(jnp.abs(c)) for c in others]
-            abs_sums = jnp.stack(abs_sums).astype(jnp.float32)
-            sums_ok = jnp.all(jnp.isfinite(abs_sums))
+        with jax.named_scope("pack"):
+            g = layout_lib.pack(parts, grads)
+            if inner_axis is not None:
+                # Hierarchical: the node's mean first, over the fast links; every
+                # device of the node then compresses the same vector identically.
+                _devices(inner_axis)
+                g, others = lax.pmean((g, others), inner_axis)
+            r = _residual_parts(state.residual if error_feedback else None, parts, float_at)
+        fed = feedback.error_feedback(list(zip(g, r, strict=True)), others, error_feedback)
 
-            def fine(_):
-                return sums_ok, jnp.zeros_like(sums_ok, jnp.int32), abs_sums
-
-            local_finite, dropped, abs_sums = lax.cond(
-                sums_ok, fine, lambda _: _diagnose(pairs, others, error_feedback), None
-            )
-            # A non-finite device keeps its residual (less any bad entry): it sends nothing.
-            u = [
-                jnp.where(sums_ok, g.astype(r.dtype) + r, _recovered(g, r, local_finite))
-                if error_feedback
-                else g.astype(r.dtype)
-                for g, r in pairs
-            ]
         key = jax.random.fold_in(jax.random.key(seed), state.count)
-
-        # Zero-size leaves take no part: indices over all leaves are the same without them.
-        used = [i for i in range(len(u)) if sizes[i]]
-        groups = ([used] if used else []) if granularity == "model" else [[i] for i in used]
-        keys = jax.random.split(key, len(groups)) if groups else []
-        chosen = []
-        with jax.named_scope("select"):
-            for group, k in zip(groups, keys, strict=True):
-                # The message is float32; a float64 leaf's residual keeps what it cannot carry.
-                vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
-                sums = abs_sums[np.asarray(group)]
-                selection = rule.select(vectors, sums, state.rule, k)
-                chosen.append(_fill_if_starved(selection, vectors, jnp.sum(sums)))
-        if granularity == "model":
-            etas = chosen[0].threshold if chosen else jnp.zeros((), jnp.float32)
-        else:  # one threshold per floating-point leaf, 0 for the zero-size ones
-            by_leaf = {i: c.threshold for i, c in zip(used, chosen, strict=True)}
-            etas = jnp.asarray([by_leaf.get(i, 0.0) for i in range(len(u))], jnp.float32)
-        shared = all(c.shared for c in chosen)
-        send_all = bool(chosen) and chosen[0].payload is None
-        group_sizes = [sum(sizes[i] for i in group) for group in groups]
-
-        mode, routed = "sparse", None
-        if send_all or not chosen:
-            sent = jnp.where(local_finite, n, 0).astype(jnp.int32)
-            selected = jnp.int32(n)
-        else:
-            payload = _merge(chosen, group_sizes)
-            dtypes = [g.dtype for g in grads]
-            payload = payload._replace(
-                values=_round_to_leaves(payload.values, payload.indices, dtypes, sizes)
-            )
-            capacity = payload.values.shape[0]
-            if axis_name is not None and not shared:
-                mode = aggregate.resolve(communication, n, capacity, devices, link)
-            if mode == "sparse_allreduce":  # what does not fit its owner's slots stays here
-                routed = sparse_allreduce.route(payload, n, devices)
-            sent = jnp.where(local_finite, payload.count if routed is None else routed.count, 0)
-            selected = payload.selected
-        # Every device agrees on the step before anything is sent: one
-        # non-finite device makes all of them send nothing, and the rule sees
-        # the same figures everywhere.
-        finite, sent, selected, etas, dropped = reduce_figures(
-            axis_name, local_finite, sent, selected, etas, dropped
+        leaf_info = [(i, grads[i].dtype, grads[i].size) for p in parts for i in p.leaves]
+        chosen = selection.select(
+            rule, fed.u, fed.abs_sums, state.rule, key, leaf_info, len(grads) if by_leaf else None
+        )
+        region_key = jax.random.fold_in(key, len(parts) if by_leaf else 1)
+        reselect = _reselect(rule, state.rule, region_key)
+        done = aggregate_lib.aggregate(
+            chosen, fed, others, axis_name, communication, link, reselect
+        )
+        left = feedback.write_back(
+            fed.u, done.figures.finite, done.sent, done.kept, [x.size for x in fed.u]
         )
 
-        zero = jnp.zeros((), jnp.float32)
-        sent_at = kept_at = kept = None
-        with jax.named_scope("aggregate"):
-            if send_all or not chosen:
-                mean = [jnp.where(finite, x, zero) for x in u]
-                if axis_name is not None:
-                    mean = lax.pmean(mean, axis_name)
-                message = sum(x.size * x.dtype.itemsize for x in u)
-            else:
-                values = jnp.where(finite, payload.values, 0.0)
-                sent_at = payload.indices
-                if routed is None:
-                    mean = aggregate.mean(
-                        payload._replace(values=values), sizes, axis_name, mode, shared
-                    )
-                    message = (
-                        sum(c.bytes for c in chosen)
-                        if mode == "sparse"
-                        else aggregate.message_bytes(mode, n, capacity, shared)
-                    )
-                else:
+        with jax.named_scope("unpack"):
+            out = _unpack(parts, leaves, float_at, complex_at, done)
+            residual = state.residual
+            if error_feedback:
+                residual = _stored(state.residual, parts, left, float_at)
+        last = _metrics(ratio, done, n * devices)
+        new_state = CompressState(residual, state.count + 1, last, rule.observe(state.rule, last))
+        return jax.tree.unflatten(treedef, out), new_state
 
-                    def reselect(region):
-                        # The owner selects from its region's sum with the same rule.
-                        abs_sum = jnp.sum(jnp.abs(region))
-                        again = rule.select([region], abs_sum[None], state.rule, region_key)
-                        return _fill_if_starved(again, [region], abs_sum).payload
-
-                    region_key = jax.random.fold_in(key, len(groups))
-                    routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
-                    reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
-                    mean, message = reduced.mean, reduced.message
-                    sent_at, kept_at, kept = routed.sent, reduced.kept_indices, reduced.kept_values
-        with jax.named_scope("write_back"):
-            if sent_at is None:
-                left = [jnp.where(finite, zero, x) for x in u]
-            else:
-                # What this device did not send stays in its residual, exactly:
-                # the sent entries are subtracted in place, leaf by leaf, and an
-                # owner adds back what it received and did not send on.
-                left = [
-                    _subtract_at(x, local, values)
-                    for x, local in zip(u, payload_lib.local_indices(sent_at, sizes), strict=True)
-                ]
-            if kept is not None:
-                left = [
-                    _subtract_at(x, local, -kept)
-                    for x, local in zip(
-                        left, payload_lib.local_indices(kept_at, sizes), strict=True
-                    )
-                ]
-        # Complex leaves are averaged densely: never left out of the collective.
-        dense_complex = [jnp.where(finite, c, jnp.zeros((), c.dtype)) for c in others]
-        if axis_name is not None:
-            dense_complex = lax.pmean(dense_complex, axis_name)
-        message += sum(c.size * c.dtype.itemsize for c in others)
-
-        new_leaves = list(leaves)
-        with jax.named_scope("aggregate"):
-            for i, part, g in zip(float_at, mean, grads, strict=True):
-                new_leaves[i] = part.reshape(g.shape).astype(g.dtype)
-        for i, part in zip(complex_at, dense_complex, strict=True):
-            new_leaves[i] = part
-        residual = state.residual
-        if error_feedback:
-            residual_leaves = jax.tree.leaves(state.residual)
-            for i, x in zip(float_at, left, strict=True):
-                residual_leaves[i] = x
-            residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual_leaves)
-
-        last = step_metrics(ratio, sent, selected, n * devices, etas, message, finite, dropped)
-        rule_state = rule.observe(state.rule, last)
-        new_state = CompressState(residual, state.count + 1, last, rule_state)
-        return jax.tree.unflatten(treedef, new_leaves), new_state
-
+    compressed = optax.GradientTransformationExtraArgs(init, update)
     if isinstance(warmup_steps, int) and warmup_steps == 0:
-        return optax.GradientTransformationExtraArgs(init, update)
-    return optax.GradientTransformationExtraArgs(
-        init, _warm(update, warmup_steps, axis_name, inner_axis)
+        return compressed
+    return warmed_up(
+        compressed, dense_mean(axis_name, inner_axis, layout, bucket_bytes), warmup_steps
     )
 
 
-def dense_mean(axis_name: AxisName | None, inner_axis: AxisName | None = None):
+def dense_mean(
+    axis_name: AxisName | None,
+    inner_axis: AxisName | None = None,
+    layout: Layout = "auto",
+    bucket_bytes: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
     """The loop with a rule that sends everything: the plain mean over the axes, no residual."""
     return sparsifier(
-        Rule(empty_init, everything),
+        Rule(empty_init, selection.everything),
         ratio=1.0,
         error_feedback=False,
         axis_name=axis_name,
         communication="dense",
         inner_axis=inner_axis,
+        layout=layout,
+        bucket_bytes=bucket_bytes,
     )
 
 
-def _warm(update, warmup_steps, axis_name, inner_axis):
-    """``update`` preceded by ``warmup_steps`` steps of :func:`sidco_jax.dense`.
+def takes_loop_options(factory):
+    """Decorates ``factory(ratio, *, own options, **options)`` to take the loop's options.
 
-    One ``lax.cond`` on the step count, which every device holds alike: both
-    paths are compiled once and each step runs one of them. A dense step
-    leaves the residual and the rule's state as they are and reports the
-    dense bytes, at the compressor's target density.
+    Its signature lists the loop's options after its own, as keyword-only
+    parameters with :func:`sparsifier`'s defaults: ``inspect.signature``,
+    ``optax.inject_hyperparams`` and the registry see every option. An option
+    the factory does not take is refused with the list of those it does.
     """
-    dense = dense_mean(axis_name, inner_axis)
+    loop = [p for p in inspect.signature(sparsifier).parameters.values() if p.name in LOOP_OPTIONS]
+    signature = inspect.signature(factory)
+    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    signature = signature.replace(parameters=[*own, *loop])
+    allowed = tuple(p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY)
 
-    def warm_update(updates, state, params=None, **extra_args):
-        def warm(_):
-            out, done = dense.update(
-                updates, state._replace(residual=None, rule=optax.EmptyState())
-            )
-            last = done.last._replace(
-                target_density=state.last.target_density,
-                threshold=jnp.zeros_like(state.last.threshold),
-            )
-            return out, state._replace(count=done.count, last=last)
+    @functools.wraps(factory)
+    def with_options(*args, **options):
+        unknown = sorted(set(options) - set(signature.parameters))
+        if unknown:
+            raise TypeError(f"{factory.__name__} got unknown options {unknown}; allowed: {allowed}")
+        return factory(*args, **options)
 
-        def compressed(_):
-            return update(updates, state, params, **extra_args)
-
-        return lax.cond(state.count < warmup_steps, warm, compressed, None)
-
-    return warm_update
+    with_options.__signature__ = signature
+    return with_options

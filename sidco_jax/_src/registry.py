@@ -10,22 +10,22 @@ plus one line here.
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import optax
 
 from sidco_jax._src import baselines
-from sidco_jax._src.base import AxisName, check_choice, check_ratio
+from sidco_jax._src.base import check_choice, check_ratio
+from sidco_jax._src.loop import LoopOptions, takes_loop_options
 from sidco_jax._src.sidco import compress
 
 Factory = Callable[..., optax.GradientTransformationExtraArgs]
 
 
-def _dense(
-    ratio: float, *, axis_name: AxisName | None = None
-) -> optax.GradientTransformationExtraArgs:
+@takes_loop_options
+def _dense(ratio: float, **options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraArgs:
     check_ratio(ratio)  # checked like the others', though it sends everything
-    return baselines.dense(axis_name=axis_name)
+    return baselines.dense(**options)
 
 
 FACTORIES: dict[str, Factory] = {

@@ -7,7 +7,7 @@ count of the threshold and the controller that adapts it (:mod:`control`).
 Error feedback, aggregation and metrics are the shared loop's (:mod:`loop`).
 """
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -18,24 +18,20 @@ from sidco_jax._src import payload as payload_lib
 from sidco_jax._src import thresholds
 from sidco_jax._src.base import (
     SLOT_BYTES,
-    AxisName,
-    Communication,
     CompressMetrics,
     Estimator,
-    Granularity,
     Rule,
     Selection,
     check_capacity_factor,
     check_choice,
-    check_common,
     check_estimator,
     check_integer,
     check_number,
     check_ratio,
     cond_on_device,
+    static,
 )
-from sidco_jax._src.costs import Link
-from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.loop import LoopOptions, sparsifier, takes_loop_options
 
 Adaptation = Literal["paper", "directional", "fill"]
 
@@ -146,6 +142,7 @@ def rule(
     return Rule(init, select, observe)
 
 
+@takes_loop_options
 def compress(
     ratio: float,
     *,
@@ -154,15 +151,9 @@ def compress(
     adaptation: Adaptation | None = "paper",
     first_ratio: float = 0.25,
     capacity_factor: float = 1.0,
-    granularity: Granularity = "model",
-    error_feedback: bool = True,
     period: int = 5,
     band: float = 0.2,
-    axis_name: AxisName | None = None,
-    communication: Communication = "auto",
-    inner_axis: AxisName | None = None,
-    link: Link | None = None,
-    warmup_steps: int = 0,
+    **options: Unpack[LoopOptions],
 ) -> optax.GradientTransformationExtraArgs:
     """SIDCo gradient sparsification with error feedback.
 
@@ -185,39 +176,14 @@ def compress(
       first_ratio: density targeted by the first of several stages, in (0, 1].
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
-      granularity: ``"model"`` (one threshold over all floating-point leaves,
-        as in the paper) or ``"leaf"`` (one threshold and payload per leaf).
-      error_feedback: keep what was not sent and add it to the next gradient.
       period: steps per adaptation window (the paper's ``Q``), an int >= 1.
       band: tolerance of the adaptation around the target (the paper's 0.2),
         in (0, 1).
-      axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
-        ``jax.pmap`` to average the update over; None (default) sparsifies
-        locally with no collective. With an axis the update is the mean of
-        all devices' messages, identical on every device, and the residual is
-        per device (see :func:`sidco_jax.state_specs`).
-      communication: how the messages are averaged over ``axis_name``:
-        ``"sparse"`` (``all_gather`` of values and indices, then a
-        scatter-add: each device receives ``(P - 1) x capacity`` slots),
-        ``"sparse_allreduce"`` (each entry routed to the device owning its
-        region with ``all_to_all``, reduced and selected again there, then
-        gathered: under ``3 x capacity`` slots per device whatever ``P``),
-        ``"dense"`` (``psum`` of the densified message, for fast links) or
-        ``"auto"`` (default: the cheapest under the alpha-beta model of
-        ``link``, decided at trace time; see docs/distributed.md).
-      inner_axis: a fast mesh axis (or tuple), e.g. the devices of one node,
-        averaged densely (``pmean``) before compressing over ``axis_name``
-        (the slow axis across nodes): hierarchical aggregation. Every device
-        of a node then holds and compresses the same vector, so the residual
-        is per node: shard it over ``axis_name`` only
-        (``state_specs(state, axis_name)``).
-      link: a :class:`~sidco_jax.Link` (latency, bandwidth) of ``axis_name``
-        for ``"auto"``; default ``Link()`` (5 us, 100 Gbit/s).
-      warmup_steps: the first ``warmup_steps`` steps send the dense mean of
-        the gradient (exactly :func:`sidco_jax.dense`'s update), with the
-        residual and the stage controller untouched and the metrics reporting
-        the dense bytes; compression starts at step ``warmup_steps``. An int
-        >= 0 (default 0: compress from the first step).
+      **options: the loop's options (:class:`~sidco_jax.LoopOptions`):
+        ``granularity``, ``error_feedback``, ``axis_name``,
+        ``communication``, ``inner_axis``, ``link``, ``warmup_steps``,
+        ``layout`` and ``bucket_bytes``, documented at
+        :func:`~sidco_jax.sparsifier`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the
@@ -249,7 +215,7 @@ def compress(
     # Concrete NumPy and JAX scalars become Python numbers here, so nothing
     # traced under jit depends on them; traced ones (optax.inject_hyperparams)
     # pass through where they may vary, and are refused where they set a shape.
-    ratio = check_common(ratio, granularity, error_feedback)
+    ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
     check_estimator(estimator)
     first_ratio = check_ratio(first_ratio, "first_ratio")
@@ -269,16 +235,6 @@ def compress(
         capacity_factor=capacity_factor,
         period=period,
         band=band,
-        carry=granularity == "model",
+        carry=options.get("granularity", "model") == "model",
     )
-    return sparsifier(
-        sidco_rule,
-        ratio=ratio,
-        granularity=granularity,
-        error_feedback=error_feedback,
-        axis_name=axis_name,
-        communication=communication,
-        inner_axis=inner_axis,
-        link=link,
-        warmup_steps=warmup_steps,
-    )
+    return sparsifier(sidco_rule, ratio=ratio, **options)

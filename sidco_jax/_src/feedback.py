@@ -1,0 +1,145 @@
+"""Error feedback: the first and last phases of the loop, around selection and aggregation.
+
+``error_feedback`` adds the residual to the gradient in the first pass over
+each part, which also sums ``|g + r|`` for the finite check and for the rules'
+statistics. Only where a sum is not finite does a second look tell a bad
+gradient (the step is skipped) from bad residual entries (dropped) or a mere
+overflow. ``write_back`` keeps in the residual, exactly, whatever was not sent.
+"""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sidco_jax._src import passes
+from sidco_jax._src import payload as payload_lib
+
+
+class Fed(NamedTuple):
+    """What the error-feedback phase hands on.
+
+    Attributes:
+      u: ``g + residual`` per part; on a non-finite step, what is finite of it.
+      abs_sums: float32 ``sum(|u|)`` per part, then per complex leaf.
+      finite: whether this device's gradient is finite.
+      dropped: int32 count of the non-finite residual entries dropped here.
+    """
+
+    u: list[jax.Array]
+    abs_sums: jax.Array
+    finite: jax.Array
+    dropped: jax.Array
+
+
+def _abs_sum(pair, zero):
+    g, r = pair
+    return jnp.abs(g.astype(r.dtype) + r) + zero
+
+
+def _finite(x) -> jax.Array:
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def _recovered(g, r, gradient_ok):
+    """``g + r`` without what is not finite: a bad gradient or bad residual entries are dropped.
+
+    A sum beyond float32's range saturates, so the entry is sent early rather than lost.
+    """
+    top = jnp.finfo(r.dtype).max
+    g = jnp.where(gradient_ok, g.astype(r.dtype), jnp.zeros((), r.dtype))
+    return jnp.clip(_finite(g) + _finite(r), -top, top)
+
+
+def _diagnose(pairs, others, error_feedback):
+    """Runs only when a per-part sum is not finite: what exactly is wrong.
+
+    Returns whether every gradient entry is finite, how many residual entries
+    are not (to be dropped), and the per-part sums ``|g + r|`` of what remains.
+    """
+    gradient_ok = jnp.all(
+        jnp.stack(
+            [jnp.all(jnp.isfinite(g)) for g, _ in pairs]
+            + [jnp.all(jnp.isfinite(c)) for c in others]
+        )
+    )
+    dropped = jnp.zeros_like(gradient_ok, jnp.int32)  # varies across devices like the rest
+    if error_feedback:
+        # Counted in the metrics, not warned about from the device: a host
+        # callback anywhere in the update, even in this branch that seldom
+        # runs, slowed every update on XLA's CPU backend.
+        dropped += sum(jnp.sum(~jnp.isfinite(r), dtype=jnp.int32) for _, r in pairs)
+    sums = [jnp.sum(jnp.abs(_recovered(g, r, gradient_ok))) for g, r in pairs]
+    sums += [jnp.sum(jnp.abs(_finite(c))) for c in others]
+    return gradient_ok, dropped, jnp.stack(sums).astype(jnp.float32)
+
+
+def error_feedback(pairs, others: Sequence[jax.Array], error_feedback: bool) -> Fed:
+    """``u = g + r`` for each ``(g, r)`` of ``pairs``, with the non-finite diagnosis.
+
+    Args:
+      pairs: ``(gradient, residual)`` per part; without error feedback the
+        residual is a scalar zero of the residual's dtype.
+      others: the complex leaves (averaged densely, checked for finiteness).
+      error_feedback: whether the residual is kept (and bad entries counted).
+    """
+    with jax.named_scope("error_feedback"):
+        abs_sums = passes.reduce_parts(pairs, _abs_sum)
+        abs_sums += [jnp.sum(jnp.abs(c)) for c in others]
+        abs_sums = jnp.stack(abs_sums).astype(jnp.float32)
+        sums_ok = jnp.all(jnp.isfinite(abs_sums))
+
+        def fine(_):
+            return sums_ok, jnp.zeros_like(sums_ok, jnp.int32), abs_sums
+
+        finite, dropped, abs_sums = lax.cond(
+            sums_ok, fine, lambda _: _diagnose(pairs, others, error_feedback), None
+        )
+        # A non-finite device keeps its residual (less any bad entry): it sends nothing.
+        u = [
+            jnp.where(sums_ok, g.astype(r.dtype) + r, _recovered(g, r, finite))
+            if error_feedback
+            else g.astype(r.dtype)
+            for g, r in pairs
+        ]
+    return Fed(u, abs_sums, finite, dropped)
+
+
+def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.Array:
+    """``x`` with ``values`` subtracted at row-major ``flat_index`` (``x.size``: dropped).
+
+    Indexed in ``x``'s own shape, so XLA updates it in place in its buffer.
+    """
+    if x.size == 0:
+        return x
+    index, rest = [], flat_index
+    for dim in reversed(x.shape[1:]):
+        index.append(rest % dim)
+        rest = rest // dim
+    index.append(rest)  # the padding index x.size lands past the first axis: dropped
+    return x.at[tuple(reversed(index))].add(-values, mode="drop")
+
+
+def write_back(u, finite, sent, kept, sizes: Sequence[int]) -> list[jax.Array]:
+    """The residual per part: ``u`` less what this device sent, plus what it kept as an owner.
+
+    Args:
+      u: the parts from :func:`error_feedback`.
+      finite: whether every device was finite (else nothing was sent).
+      sent: ``(indices, values)`` this device sent, global indices; None when
+        it sent everything.
+      kept: ``(indices, values)`` it received as an owner of the sparse
+        all-reduce and did not send on (added back), or None.
+      sizes: the parts' sizes.
+    """
+    with jax.named_scope("write_back"):
+        if sent is None:
+            return [jnp.where(finite, jnp.zeros((), x.dtype), x) for x in u]
+        # Subtracted in place, part by part: exactly what was not sent stays.
+        changes = [sent] if kept is None else [sent, (kept[0], -kept[1])]
+        for indices, values in changes:
+            local = payload_lib.local_indices(indices, sizes)
+            u = [_subtract_at(x, at, values) for x, at in zip(u, local, strict=True)]
+        return u

@@ -1,0 +1,212 @@
+"""The loop's working arrays: the gradient's leaves as they are, or packed into buckets.
+
+The loop works on *parts*, arrays whose concatenation, raveled and in order,
+is every floating-point entry of the model in ``jax.tree.leaves`` order. Every
+layout keeps that order, so a payload index names the same entry in all of
+them, and a residual converts from one to another by concatenation.
+
+* ``"tree"`` (XLA:CPU): a leaf of at least :data:`SMALL` entries is a part of
+  its own, in its own shape; runs of smaller leaves are packed into flat parts.
+  The residual is stored as a tree like the parameters. XLA:CPU's
+  multi-threaded ``concatenate`` of large leaves costs more than the rest of
+  the update, while per-leaf work on many tiny leaves grows the compiled
+  program (and its compile time) with the leaf count.
+* ``"buckets"`` (GPU, TPU): consecutive leaves are packed into flat buckets of
+  at most ``bucket_bytes`` of residual each (a larger leaf is a bucket of its
+  own), one dtype per bucket, and the residual is stored as those buckets
+  (:class:`Buckets`). A step packs the gradient once and unpacks the update
+  with slices, so the kernels it launches do not grow with the leaf count.
+* ``"auto"``: the tree on CPU and buckets elsewhere, decided at ``init``.
+
+With ``granularity="leaf"`` every leaf is a part of its own in both layouts:
+each is selected on its own anyway.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sidco_jax._src.base import check_choice, check_integer, is_float, static
+
+Layout = Literal["auto", "tree", "buckets"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
+# Leaves below this many entries are packed together in the tree layout.
+SMALL = 2**16
+
+
+class Buckets(NamedTuple):
+    """A residual stored in the bucketed layout.
+
+    Attributes:
+      buckets: one flat float32 (or wider) vector per bucket; the leaves'
+        entries in ``jax.tree.leaves`` order, packed.
+    """
+
+    buckets: tuple[jax.Array, ...]
+
+
+class Part(NamedTuple):
+    """One working array: consecutive floating-point leaves, packed if several.
+
+    Attributes:
+      leaves: positions of its leaves among the floating-point leaves.
+      shape: a lone leaf's own shape (at least 1-D) in the tree layout, else flat.
+      dtype: the residual's dtype (float32, or the leaf's where wider).
+    """
+
+    leaves: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def check_layout(layout, bucket_bytes) -> int:
+    """Validates ``layout`` and ``bucket_bytes`` at construction; returns ``bucket_bytes``.
+
+    None means :data:`BUCKET_BYTES` (a default that ``optax.inject_hyperparams``
+    leaves static); a given size sets shapes, so it must be static.
+    """
+    check_choice("layout", layout, LAYOUTS)
+    if bucket_bytes is None:
+        return BUCKET_BYTES
+    return check_integer("bucket_bytes", static("bucket_bytes", bucket_bytes), 1)
+
+
+def resolve(layout: str) -> str:
+    """``"tree"`` or ``"buckets"``: ``"auto"`` decided by the default backend."""
+    if layout != "auto":
+        return layout
+    return "tree" if jax.default_backend() == "cpu" else "buckets"
+
+
+def residual_dtype(leaf) -> np.dtype:
+    """float32, or the leaf's own dtype where it is wider (float64 under x64)."""
+    dtype = getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype  # arrays or shape structs
+    dtype = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def plan(floats: Sequence, layout: str, bucket_bytes: int, by_leaf: bool) -> tuple[Part, ...]:
+    """The parts of the floating-point leaves ``floats`` (arrays or shape-dtype structs).
+
+    Zero-size leaves take no part. ``layout`` is ``"tree"`` or ``"buckets"``.
+    """
+    parts, run = [], []
+
+    def flush():
+        if len(run) == 1 and layout == "tree":
+            parts.append(alone(run[0]))
+        elif run:
+            size = sum(math.prod(np.shape(floats[i])) for i in run)
+            parts.append(Part(tuple(run), (size,), residual_dtype(floats[run[0]])))
+        run.clear()
+
+    def alone(i):
+        shape = tuple(np.shape(floats[i])) if layout == "tree" else (np.size(floats[i]),)
+        return Part((i,), shape or (1,), residual_dtype(floats[i]))
+
+    for i, leaf in enumerate(floats):
+        size, dtype = math.prod(np.shape(leaf)), residual_dtype(leaf)
+        limit = max(bucket_bytes // dtype.itemsize, 1)
+        if size == 0:
+            continue
+        if by_leaf or size >= limit or (layout == "tree" and size >= SMALL):
+            flush()
+            parts.append(alone(i))
+            continue
+        if run and (
+            residual_dtype(floats[run[0]]) != dtype
+            or sum(math.prod(np.shape(floats[j])) for j in run) + size > limit
+        ):
+            flush()
+        run.append(i)
+    flush()
+    return tuple(parts)
+
+
+def empty(parts: Sequence[Part]) -> Buckets:
+    """A zero residual in the bucketed layout."""
+    return Buckets(tuple(jnp.zeros(p.shape, p.dtype) for p in parts))
+
+
+def pack(parts: Sequence[Part], leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """One array per part from per-leaf arrays: a lone leaf reshaped, several concatenated.
+
+    A lone leaf keeps its dtype (the loop casts it where it adds the
+    residual); packed leaves are cast to the part's dtype.
+    """
+    out = []
+    for p in parts:
+        if len(p.leaves) == 1:
+            out.append(jnp.reshape(leaves[p.leaves[0]], p.shape))
+        else:
+            out.append(jnp.concatenate([jnp.ravel(leaves[i]).astype(p.dtype) for i in p.leaves]))
+    return out
+
+
+def unpack(parts: Sequence[Part], arrays: Sequence[jax.Array], like: Sequence) -> dict:
+    """``{leaf position: array}`` cut from the parts' ``arrays``, shaped and typed as ``like``."""
+    out = {}
+    for p, x in zip(parts, arrays, strict=True):
+        x, start = jnp.ravel(x) if len(p.leaves) > 1 else x, 0
+        for i in p.leaves:
+            size = math.prod(np.shape(like[i]))
+            piece = x[start : start + size] if len(p.leaves) > 1 else x
+            out[i] = jnp.reshape(piece, np.shape(like[i])).astype(like[i].dtype)
+            start += size
+    return out
+
+
+def describe(residual) -> str:
+    """The layout a stored residual is in, for error messages."""
+    return "buckets" if isinstance(residual, Buckets) else "tree"
+
+
+def regroup(arrays: Sequence, shapes: Sequence[tuple[int, ...]], copies: int) -> list[np.ndarray]:
+    """Cuts residual ``arrays`` anew into ``shapes``, on the host.
+
+    ``arrays`` hold, in order, the residual of ``copies`` devices, each array
+    stacking their pieces along its first axis (as global arrays do); the
+    result does the same with pieces of the per-device ``shapes``. Both
+    layouts order the entries alike, so this converts one to the other.
+    """
+    rows = [np.asarray(a).reshape(copies, -1) for a in arrays if np.size(a)]
+    rows = np.concatenate(rows, axis=1) if rows else np.zeros((copies, 0), np.float32)
+    out, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        piece = rows[:, start : start + size]
+        out.append(piece.reshape((copies * shape[0], *shape[1:])) if shape else piece)
+        start += size
+    return out
+
+
+def convert(residual, params, layout: str, bucket_bytes: int = BUCKET_BYTES):
+    """A single device's ``residual`` (either layout) in ``layout``, for parameters like ``params``.
+
+    Args:
+      residual: a residual tree like ``params`` or :class:`Buckets`.
+      params: the parameters (or their shapes and dtypes).
+      layout: ``"tree"`` or ``"buckets"``.
+      bucket_bytes: the bucket size of the bucketed layout.
+    """
+    floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
+    if layout == "buckets":
+        parts = plan(floats, "buckets", bucket_bytes, by_leaf=False)
+        cut = regroup(jax.tree.leaves(residual), [p.shape for p in parts], 1)
+        return Buckets(tuple(jnp.asarray(x, p.dtype) for x, p in zip(cut, parts, strict=True)))
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = [tuple(np.shape(x)) or (1,) if is_float(x) else (0,) for x in leaves]
+    cut = regroup(jax.tree.leaves(residual), shapes, 1)
+    dtypes = [residual_dtype(x) for x in leaves]
+    return jax.tree.unflatten(
+        treedef, [jnp.asarray(x, d) for x, d in zip(cut, dtypes, strict=True)]
+    )

@@ -1,0 +1,164 @@
+"""The select phase: the rule chooses what to send, and the choices become one payload.
+
+With ``granularity="model"`` the rule sees every part at once; with ``"leaf"``
+each leaf (then a part of its own) on its own, and the per-leaf payloads are
+merged into one message. A step on which the rule selected nothing, though
+there was something to send, is filled with the largest magnitudes, and every
+sent value is rounded to its leaf's dtype so that the residual keeps the
+rounding.
+"""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.base import VALUE_BYTES, Rule, Selection, cond_on_device
+
+
+class Chosen(NamedTuple):
+    """What the select phase hands on.
+
+    Attributes:
+      payload: one payload over all parts, values rounded to their leaves'
+        dtypes; None sends every entry.
+      thresholds: float32 threshold (one per floating-point leaf with
+        ``granularity="leaf"``, 0 for zero-size ones).
+      bytes: static bytes of the sparse message.
+      shared: whether the indices are the same on every device.
+    """
+
+    payload: payload_lib.Payload | None
+    thresholds: jax.Array
+    bytes: int
+    shared: bool
+
+
+def everything(vectors, abs_sums, state, key) -> Selection:
+    """The :class:`~sidco_jax.SelectFn` of no compression: every entry is sent."""
+    del abs_sums, state, key
+    return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
+
+
+def fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
+    """Fills the payload with the largest magnitudes where a rule selected nothing to send.
+
+    Ties at the threshold (all-equal magnitudes, which error feedback keeps
+    tied) or a threshold over the top would otherwise leave the paid-for
+    payload empty step after step. The exact top-``capacity`` then fills it,
+    ties going to the lower index as in top-k; it only runs on such steps. It
+    is found by counting passes, not ``lax.top_k``: on a GPU the sort of an
+    untaken branch still reserved three gradient sizes of memory.
+    """
+    payload = chosen.payload
+    if payload is None or chosen.shared:
+        return chosen
+    capacity = payload.values.shape[0]
+    starved = (payload.selected == 0) & (abs_sum > 0)
+
+    payload, eta = cond_on_device(
+        starved,
+        lambda: payload_lib.top_by_count(vectors, capacity),
+        lambda: (payload, jnp.asarray(chosen.threshold, jnp.float32)),
+    )
+    return chosen._replace(payload=payload, threshold=eta)
+
+
+def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
+    """One payload over the concatenated groups from per-group payloads (k-sized)."""
+    if len(chosen) == 1:
+        return chosen[0].payload
+    n = sum(sizes)
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    indices = [
+        jnp.where(c.payload.indices < size, c.payload.indices + offset, n)
+        for c, size, offset in zip(chosen, sizes, offsets, strict=True)
+    ]
+    return payload_lib.Payload(
+        jnp.concatenate([c.payload.values for c in chosen]),
+        jnp.concatenate(indices).astype(jnp.int32),
+        sum((c.payload.count for c in chosen), jnp.int32(0)),
+        sum((c.payload.selected for c in chosen), jnp.int32(0)),
+    )
+
+
+def _round_to_leaves(values, indices, dtypes, sizes):
+    """Rounds each sent value to the dtype of the leaf it belongs to, saturating.
+
+    The update leaves in the gradient's dtype; rounding here, on the payload,
+    lets the residual keep the rounding error so that bf16/fp16 lose nothing.
+    A value beyond the dtype's range is sent as its largest finite value, and
+    the residual keeps the excess: an update is never infinite.
+    """
+
+    def rounded(dtype):
+        top = float(jnp.finfo(dtype).max)
+        return jnp.clip(values, -top, top).astype(dtype).astype(jnp.float32)
+
+    narrow = [jnp.finfo(d).bits < 32 for d in dtypes]  # float32 and float64 hold the values
+    if not any(narrow):
+        return values
+    if all(narrow) and len(set(dtypes)) == 1:
+        return rounded(dtypes[0])
+    offsets = np.cumsum([0, *sizes])
+    out = values
+    for dtype, start, stop, cut in zip(dtypes, offsets[:-1], offsets[1:], narrow, strict=True):
+        if cut:
+            mine = (indices >= start) & (indices < stop)
+            out = jnp.where(mine, rounded(dtype), out)
+    return out
+
+
+def select(
+    rule: Rule,
+    u: Sequence[jax.Array],
+    abs_sums: jax.Array,
+    rule_state,
+    key: jax.Array,
+    leaves: Sequence[tuple[int, np.dtype, int]],
+    by_leaf: int | None = None,
+) -> Chosen:
+    """Runs ``rule`` on all parts at once, or on each on its own, and merges the choices.
+
+    Args:
+      rule: the selection rule.
+      u: the parts (``g + residual``).
+      abs_sums: ``sum(|u|)`` per part (and more after: ignored).
+      rule_state: the rule's state.
+      key: this step's key, the same on every device.
+      leaves: ``(position among the floating-point leaves, dtype, size)`` of
+        every leaf in the parts, in order: the update's dtypes, and whose
+        threshold each part's is when selected per leaf.
+      by_leaf: None to select over all parts at once (``granularity="model"``),
+        else the number of floating-point leaves: each part, one leaf, is
+        selected on its own and gets its own threshold.
+    """
+    groups = [[i] for i in range(len(u))] if by_leaf is not None else [list(range(len(u)))]
+    groups = [g for g in groups if g]
+    with jax.named_scope("select"):
+        keys = jax.random.split(key, len(groups)) if groups else []
+        chosen = []
+        for group, k in zip(groups, keys, strict=True):
+            # The message is float32; a float64 leaf's residual keeps what it cannot carry.
+            vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
+            sums = abs_sums[np.asarray(group)]
+            selection = rule.select(vectors, sums, rule_state, k)
+            chosen.append(fill_if_starved(selection, vectors, jnp.sum(sums)))
+    if by_leaf is None:
+        thresholds = chosen[0].threshold if chosen else jnp.zeros((), jnp.float32)
+    else:  # one threshold per floating-point leaf, 0 for the zero-size ones
+        at = {position: c.threshold for (position, _, _), c in zip(leaves, chosen, strict=True)}
+        zero = jnp.zeros((), jnp.float32)
+        thresholds = jnp.stack([at.get(i, zero) for i in range(by_leaf)] or [zero])[:by_leaf]
+    shared = bool(chosen) and all(c.shared for c in chosen)
+    if not chosen or chosen[0].payload is None:
+        return Chosen(None, thresholds, 0, shared)
+    payload = _merge(chosen, [sum(u[i].size for i in group) for group in groups])
+    dtypes, sizes = [d for _, d, _ in leaves], [s for _, _, s in leaves]
+    payload = payload._replace(
+        values=_round_to_leaves(payload.values, payload.indices, dtypes, sizes)
+    )
+    return Chosen(payload, thresholds, sum(c.bytes for c in chosen), shared)
