@@ -293,3 +293,38 @@ def test_without_orbax_save_names_the_extra_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # as if not installed
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'sidco_jax\[checkpoint\]'"):
         sidco.save(tmp_path / "ckpt", {"w": jnp.zeros(3)})
+
+
+def layout_optimizer(layout):
+    compressor = sidco.compress(0.02, axis_name=AXIS, layout=layout, bucket_bytes=4 * 1000)
+    return optax.chain(compressor, optax.sgd(0.1, momentum=0.9))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "restored"), [("tree", "buckets"), ("buckets", "tree")])
+def test_a_checkpoint_moves_between_layouts_and_training_goes_on(tmp_path, rng, saved, restored):
+    # Debug on a laptop (the tree), train on a cluster (buckets), and back.
+    stream = gradient_stream(rng, 8)
+    want_updates, _, want_params = run_shard_map(layout_optimizer(restored), stream)
+
+    _, states, params = run_shard_map(layout_optimizer(saved), stream[:4])
+    sidco.save(tmp_path / "ckpt", (params, states[-1]))
+    mesh = mesh_of()
+    target = (params, sidco.shard_init(layout_optimizer(restored), params, mesh, AXIS))
+    back = sidco.restore(tmp_path / "ckpt", target)
+    assert jax.tree.structure(back) == jax.tree.structure(target)
+    for got, want in zip(*(jax.tree.leaves(t[1][0].residual) for t in (back, target)), strict=True):
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
+    updates, _, params = run_shard_map(layout_optimizer(restored), stream[4:], start=back)
+
+    for got, want in zip(updates, want_updates[4:], strict=True):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8), got, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), params, want_params)
+
+
+def test_a_residual_that_cannot_change_layout_names_both(tmp_path):
+    params = {"w": jnp.zeros(40)}
+    sidco.save(tmp_path / "ckpt", sidco.compress(0.1, layout="tree").init(params))
+    target = sidco.compress(0.1, layout="buckets").init({"w": jnp.zeros(30)})
+    with pytest.raises(ValueError, match=r"saved in the 'tree' layout.*'buckets' layout"):
+        sidco.restore(tmp_path / "ckpt", target)

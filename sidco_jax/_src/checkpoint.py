@@ -13,6 +13,7 @@ that mean (so the new mean equals the old), with a :class:`ResidualWarning`.
 """
 
 import glob
+import math
 import os
 import warnings
 from typing import Any
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import CompressState
 from sidco_jax._src.sharding import is_residual
 
@@ -187,14 +189,16 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 
     path = os.path.abspath(path)
     _check_source(path)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    abstract = [_abstract(leaf) for _, leaf in flat]
-    marks = jax.tree.leaves(is_residual(target))
     with _checkpointer() as checkpointer:
         try:
             saved = checkpointer.handler.metadata(epath.Path(path)).tree
         except (FileNotFoundError, ValueError) as error:
             raise _incomplete(path, error) from error
+        # A residual saved in another layout is read as saved, converted below.
+        as_saved = _as_saved(target, saved)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(as_saved)
+        abstract = [_abstract(leaf) for _, leaf in flat]
+        marks = jax.tree.leaves(is_residual(as_saved))
         # The metadata tree has dicts for NamedTuples and lists for tuples:
         # match leaves by path, not by order.
         saved = {
@@ -234,9 +238,99 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
     for value, leaf, asked in zip(treedef.flatten_up_to(restored), abstract, wanted, strict=True):
         leaves.append(_zeros(leaf) if asked is None else _redistribute(value, leaf))
     _check_finite(leaves, marks)
-    restored = treedef.unflatten(leaves)
+    restored = _converted(treedef.unflatten(leaves), target)
     _check_ratios(restored, target)
     return restored
+
+
+def _subtree(tree, names: tuple):
+    """The node of a metadata tree (dicts and lists) at ``names``, or None."""
+    for name in names:
+        try:
+            tree = tree[name]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return tree
+
+
+def _leaf_names(tree, is_leaf=None) -> set:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return {_names(keys) for keys, leaf in flat if not _is_empty(leaf)}
+
+
+def _as_saved(target, saved):
+    """``target``, where a compressor state's residual was saved in another layout, as saved.
+
+    Such a residual (a tree saved and :class:`~sidco_jax._src.layout.Buckets`
+    asked for, or the other way round, or buckets of another size) is read in
+    its saved form, unsharded, and converted by :func:`_converted`.
+    """
+
+    def as_saved(keys, node):
+        if not _is_state(node) or node.residual is None:
+            return node
+        stored = _subtree(saved, (*_names(keys), "residual"))
+        if stored is None or _leaf_names(stored, _has_shape) == _leaf_names(node.residual):
+            return node  # the same layout (orbax names anything missing)
+        shape = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)),
+            stored,
+            is_leaf=_has_shape,
+        )
+        return node._replace(residual=shape)
+
+    return jax.tree_util.tree_map_with_path(as_saved, target, is_leaf=_is_state)
+
+
+def _converted(restored, target):
+    """``restored`` with every residual read in another layout converted to ``target``'s."""
+    structure = jax.tree.structure(target, is_leaf=_is_state)
+    nodes = structure.flatten_up_to(restored)
+    for i, (have, want) in enumerate(zip(nodes, structure.flatten_up_to(target), strict=True)):
+        moved = _is_state(want) and want.residual is not None
+        if moved and jax.tree.structure(have.residual) != jax.tree.structure(want.residual):
+            nodes[i] = have._replace(residual=_relayout(have.residual, want.residual))
+    return structure.unflatten(nodes)
+
+
+def _relayout(saved, target):
+    """A residual read in one layout, cut into ``target``'s (shardings included).
+
+    Saved on ``d`` devices and restored on another number, every device then
+    starts from their mean, as :func:`_redistribute` does.
+    """
+    have = [np.asarray(x) for x in jax.tree.leaves(saved)]
+    want, treedef = jax.tree.flatten(target)
+    want = [_abstract(t) for t in want]
+    shapes = [t.sharding.shard_shape(t.shape) if t.sharding else t.shape for t in want]
+    per_device = sum(math.prod(shape) for shape in shapes)
+    entries = sum(x.size for x in have)
+    if per_device == 0 or entries % per_device:
+        raise ValueError(
+            f"a residual saved in the {_describe_saved(saved)!r} layout with {entries} entries "
+            f"does not convert to the {layout_lib.describe(target)!r} layout of the target, "
+            f"{per_device} entries per device: the model changed?"
+        )
+    cut = layout_lib.regroup(have, shapes, entries // per_device)
+    leaves = [
+        _zeros(t) if t.size == 0 else _place(_redistribute(x.astype(t.dtype), t), t)
+        for x, t in zip(cut, want, strict=True)
+    ]
+    return treedef.unflatten(leaves)
+
+
+def _describe_saved(residual) -> str:
+    """The layout of a residual as orbax returns it (NamedTuples become dicts)."""
+    return "buckets" if isinstance(residual, dict) and set(residual) == {"buckets"} else "tree"
+
+
+def _place(value, target):
+    """``value`` on ``target``'s sharding (already there if it is an array)."""
+    if isinstance(value, jax.Array):
+        return value
+    if target.sharding is None:
+        return jnp.asarray(value)
+    return jax.make_array_from_callback(target.shape, target.sharding, lambda i: value[i])
 
 
 @jax.jit
