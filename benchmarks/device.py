@@ -1,28 +1,34 @@
-"""Accelerator benchmark: SIDCo vs lax.top_k / approx_max_k vs one pass, in one command.
+"""Accelerator benchmark: SIDCo against top-k on model trees and flat vectors, in one command.
 
-Times, on one device and on float32 Student-t(3) gradients generated there
-(``jax.random``, so nothing of n floats crosses from the host), what a
-compressor adds to a step: one ``sum(|x|)`` pass (the floor for anything that
-reads the gradient), ``lax.top_k`` and ``lax.approx_max_k`` plus the gather of
-the selected values, SIDCo-E/P/GP (threshold with ``min(3, max_stages)``
-stages + fixed-capacity payload), and the whole jitted optax ``update`` of
-``sidco.compress`` (the default, and ``adaptation="fill"`` on both of its
-paths), ``sidco.dgc`` and ``sidco.topk`` (error feedback included; the state
-is built once and reused). Methods run round-robin within each repetition after
-a warm-up, so that machine noise hits all alike; the table reports the median
-and interquartile range in ms, ratios of medians to ``lax.top_k`` and to the
-one pass, and the achieved density of each SIDCo threshold over the target.
+First, on the parameter trees of ``--trees`` (ResNet-50's 161 leaves and GPT-2
+small's 148 by default; Student-t(3) values generated on the device, a scale
+per leaf), the training-like step a user runs (gradient in, parameters out:
+the compressor's update and ``optax.apply_updates``, parameters and state
+donated and carried) for SIDCo-E, top-k, DGC and ``dense()``, each in
+``layout="tree"`` and ``layout="buckets"``, with one pass over the gradient;
+ratios to top-k's step in the same layout and each method's speed-up from
+buckets.
 
-A size that fails with an XLA resource error (out of memory) is recorded with
-its error and skipped. No new size starts once the elapsed time plus the time
-the previous size took (a lower bound for a larger one) exceeds ``--budget``.
-Default grid: n = 2^24, 2^25, 2^26 and ratios 0.01, 0.001; on one GPU it is
-meant to finish within 5 minutes, mostly compilation (about 8 s per row on
-two CPU cores, untested on a GPU yet).
+Then, on flat float32 vectors (``--sizes``), what a compressor adds to a
+step: one ``sum(|x|)`` pass (the floor for anything that reads the gradient),
+``lax.top_k`` and ``lax.approx_max_k`` plus the gather of the selected values,
+SIDCo-E/P/GP (threshold with ``min(3, max_stages)`` stages + fixed-capacity
+payload), and the whole jitted optax ``update`` of ``sidco.compress`` (the
+default, and ``adaptation="fill"`` on both of its paths), ``sidco.dgc`` and
+``sidco.topk``. Methods run round-robin within each repetition after a
+warm-up, so that machine noise hits all alike; the tables report the median
+and interquartile range in ms, ratios of medians, and the achieved density of
+each SIDCo threshold over the target.
+
+A size or tree that fails with an XLA resource error (out of memory) is
+recorded with its error and skipped. No new size starts once the elapsed time
+plus the time the previous size took exceeds ``--budget``. On one GPU the
+default run is meant to finish within 5 minutes, mostly compilation (untested
+on a GPU yet).
 
     python -m benchmarks.device                          # full grid, <= 5 min on one GPU
     python -m benchmarks.device --json $OUT/device.json  # table next to it as device.md
-    python -m benchmarks.device --sizes 20 --ratios 0.01 --repeats 5   # CPU smoke run
+    python -m benchmarks.device --trees --sizes 20 --ratios 0.01 --repeats 5   # CPU smoke
 """
 
 import argparse
@@ -38,10 +44,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 import sidco_jax as sidco
-from benchmarks import host
+from benchmarks import host, trees
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 STAGES = 3
@@ -190,6 +197,98 @@ def run_size(log2_n: int, ratios: list[float], repeats: int, seed: int, rows: li
         print(table(rows[-1:]).split("\n", 2)[2], flush=True)
 
 
+TREE_METHODS = ("sidco-e", "topk", "dgc", "dense")
+
+
+def tree_gradient(name: str, seed: int) -> dict:
+    """Student-t(3) leaves shaped like model ``name``'s parameters, each at its own scale."""
+    shapes = trees.TREES[name]()
+    scales = 10 ** np.random.default_rng(seed).uniform(-3, 0, len(shapes))
+
+    @jax.jit
+    def make(key):
+        keys = jax.random.split(key, len(shapes))
+        return {
+            f"{i:03d}": jax.random.t(k, 3.0, shape, jnp.float32) * scale
+            for i, (k, shape, scale) in enumerate(zip(keys, shapes, scales, strict=True))
+        }
+
+    return jax.block_until_ready(make(jax.random.key(seed)))
+
+
+def training_steps(grads: dict, ratio: float) -> dict:
+    """Training-like steps (gradient in, parameters out), each method in both layouts.
+
+    ``params, state = step(params, state, grads)``: the compressor's update and
+    ``optax.apply_updates``, jitted with the parameters and the state donated
+    and carried from call to call, as a training loop runs them.
+    """
+    out = {FLOOR: jax.jit(lambda g: sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(g)))}
+    for layout in trees.LAYOUTS:
+        for name in TREE_METHODS:
+            tx = sidco.compressor(name, ratio, layout=layout)
+
+            def step(params, state, g, tx=tx):
+                update, state = tx.update(g, state, params)
+                return optax.apply_updates(params, update), state
+
+            jitted = jax.jit(step, donate_argnums=(0, 1))
+            box = [jax.tree.map(jnp.zeros_like, grads), tx.init(grads)]
+
+            def call(g, jitted=jitted, box=box):
+                box[0], box[1] = jitted(box[0], box[1], g)
+                return box[0]
+
+            out[f"step {name} [{layout}]"] = call
+    return out
+
+
+def run_tree(name: str, ratio: float, repeats: int, seed: int, rows: list[dict]) -> None:
+    """Appends the training-step row of model tree ``name`` to ``rows``."""
+    grads = tree_gradient(name, seed)
+    ms = measure(training_steps(grads, ratio), grads, repeats)
+    floor = ms[FLOOR]["median"]
+    top = {layout: ms[f"step topk [{layout}]"]["median"] for layout in trees.LAYOUTS}
+    rows.append(
+        {
+            "tree": name,
+            "leaves": len(grads),
+            "n": sum(x.size for x in jax.tree.leaves(grads)),
+            "ratio": ratio,
+            "ms": ms,
+            "vs_top_k": {
+                k: t["median"] / top[k.split("[")[-1].rstrip("]")] if "[" in k else None
+                for k, t in ms.items()
+            },
+            "vs_one_pass": {k: t["median"] / floor for k, t in ms.items()},
+            "buckets_speedup": {
+                m: ms[f"step {m} [tree]"]["median"] / ms[f"step {m} [buckets]"]["median"]
+                for m in TREE_METHODS
+            },
+        }
+    )
+    print(tree_table(rows[-1:]), flush=True)
+
+
+def tree_table(rows: list[dict]) -> str:
+    """Markdown table of the training-step rows."""
+    lines = [
+        "| tree | ratio | method | median ms | p25 | p75 | / topk (same layout) | / one pass |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name, t in row["ms"].items():
+            top = row["vs_top_k"][name]
+            lines.append(
+                f"| {row['tree']} ({row['leaves']} leaves) | {row['ratio']} | {name} "
+                f"| {t['median']:.3f} | {t['p25']:.3f} | {t['p75']:.3f} "
+                f"| {'' if top is None else f'{top:.3f}'} | {row['vs_one_pass'][name]:.1f} |"
+            )
+        speedups = ", ".join(f"{m} {x:.2f}x" for m, x in row["buckets_speedup"].items())
+        lines.append(f"\nbuckets over the tree, {row['tree']}: {speedups}")
+    return "\n".join(lines)
+
+
 def is_resource_error(error: BaseException) -> bool:
     """Whether ``error`` is XLA (or the runtime) running out of memory."""
     return any(s in str(error) for s in RESOURCE_ERRORS)
@@ -217,7 +316,15 @@ def table(rows: list[dict], notes: list[str] = ()) -> str:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[24, 25, 26], help="log2 of n")
+    parser.add_argument(
+        "--trees",
+        nargs="*",
+        default=["resnet50", "gpt2"],
+        choices=list(trees.TREES),
+        help="model trees whose training-like step is timed in both layouts (first)",
+    )
+    parser.add_argument("--tree-ratio", type=float, default=0.001, help="the trees' ratio")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[24, 26], help="log2 of n")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
     parser.add_argument("--repeats", type=int, default=20, help="timed runs after warm-up")
     parser.add_argument("--seed", type=int, default=0)
@@ -236,8 +343,17 @@ def main(argv=None) -> list[dict]:
 
     device = jax.devices()[0]
     print(f"# {jax.default_backend()} ({device.device_kind}), jax {jax.__version__}", flush=True)
-    rows, errors, skipped = [], [], []
+    rows, errors, skipped, tree_rows = [], [], [], []
     start = time.perf_counter()
+    for name in args.trees:
+        try:
+            run_tree(name, args.tree_ratio, args.repeats, args.seed, tree_rows)
+        except Exception as error:
+            if not is_resource_error(error):
+                raise
+            errors.append({"tree": name, "error": str(error).strip().splitlines()[0][:500]})
+            gc.collect()
+            jax.clear_caches()
     previous = 0.0
     for log2_n in args.sizes:
         elapsed = time.perf_counter() - start
@@ -265,14 +381,14 @@ def main(argv=None) -> list[dict]:
         previous = time.perf_counter() - begin
     total = time.perf_counter() - start
 
-    notes = [f"n = 2^{e['log2_n']}: {e['error']}" for e in errors]
+    notes = [f"{e.get('tree') or 2 ** e['log2_n']}: {e['error']}" for e in errors]
     if skipped:
         notes.append(
             f"budget of {args.budget:g} s exceeded: skipped n = "
             + ", ".join(f"2^{s}" for s in skipped)
         )
     notes.append(f"total {total:.0f} s")
-    text = table(rows, notes)
+    text = tree_table(tree_rows) + "\n\n" + table(rows, notes)
     print()
     print(text)
 
@@ -292,7 +408,13 @@ def main(argv=None) -> list[dict]:
         "budget_s": args.budget,
         "total_s": total,
     }
-    result = {"meta": meta, "rows": rows, "errors": errors, "skipped_sizes": skipped}
+    result = {
+        "meta": meta,
+        "tree_rows": tree_rows,
+        "rows": rows,
+        "errors": errors,
+        "skipped_sizes": skipped,
+    }
     for path in (args.json, table_path):
         path.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

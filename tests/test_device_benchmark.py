@@ -29,6 +29,7 @@ METHODS = [
 # One real size: compilation dominates (~8 s per row on 2 cores); the loop over
 # sizes is exercised with a stand-in for run_size below.
 SIZES, RATIO = (13,), 0.01
+TREE_METHODS = ("sidco-e", "topk", "dgc", "dense")
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,26 @@ def run(tmp_path_factory):
     """One real run of the benchmark over the tiny grid."""
     out = tmp_path_factory.mktemp("device")
     argv = ["--sizes", *map(str, SIZES), "--ratios", str(RATIO), "--repeats", "2"]
+    argv += ["--trees", "tiny", "--tree-ratio", "0.05"]
     argv += ["--json", str(out / "d.json"), "--table", str(out / "t.md")]
-    rows = device.main(argv)
+    with pytest.MonkeyPatch.context() as patch:  # a stand-in model tree of 4 leaves
+        patch.setitem(device.trees.TREES, "tiny", lambda: [(64, 32), (32,), (300,), ()])
+        rows = device.main(argv)
     return rows, json.loads((out / "d.json").read_text()), (out / "t.md").read_text()
+
+
+def test_the_tree_rows_time_a_training_step_per_method_and_layout(run):
+    _, result, text = run
+    [row] = result["tree_rows"]
+    assert (row["tree"], row["leaves"], row["n"]) == ("tiny", 4, 64 * 32 + 32 + 300 + 1)
+    methods = [f"step {m} [{layout}]" for layout in ("tree", "buckets") for m in TREE_METHODS]
+    assert list(row["ms"]) == ["one pass", *methods]
+    for layout in ("tree", "buckets"):
+        assert row["vs_top_k"][f"step topk [{layout}]"] == 1.0
+    for m in TREE_METHODS:
+        tree, buckets = (row["ms"][f"step {m} [{lay}]"]["median"] for lay in ("tree", "buckets"))
+        assert row["buckets_speedup"][m] == pytest.approx(tree / buckets)
+    assert text.count("| tiny (4 leaves) |") == 1 + len(methods)
 
 
 def test_every_method_for_every_row(run):
@@ -138,7 +156,7 @@ def test_resource_error_is_recorded_and_the_run_goes_on(monkeypatch, tmp_path):
         rows.extend(_fake_row(log2_n, r) for r in ratios)
 
     monkeypatch.setattr(device, "run_size", run_size)
-    argv = ["--sizes", "12", "13", "14", "--json", str(tmp_path / "d.json")]
+    argv = ["--trees", "--sizes", "12", "13", "14", "--json", str(tmp_path / "d.json")]
     rows = device.main(argv)
     assert [r["log2_n"] for r in rows] == [12, 12, 14, 14]
     result = json.loads((tmp_path / "d.json").read_text())
@@ -160,7 +178,8 @@ def test_budget_stops_new_sizes(monkeypatch, tmp_path):
         rows.append(_fake_row(log2_n, ratios[0]))
 
     monkeypatch.setattr(device, "run_size", run_size)
-    argv = ["--sizes", "10", "11", "12", "--budget", "0.3", "--json", str(tmp_path / "d.json")]
+    argv = ["--trees", "--sizes", "10", "11", "12", "--budget", "0.3"]
+    argv += ["--json", str(tmp_path / "d.json")]
     rows = device.main(argv)
     # 10 starts at 0 s; 11 would start at 0.2 s and take at least the 0.2 s 10 took.
     assert [r["log2_n"] for r in rows] == [10]
