@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
+from sidco_jax._src import layout as layout_lib
+from sidco_jax._src.layout import Buckets
 
 pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
@@ -172,19 +174,41 @@ LEAF_RULES = ("sidco-e", "topk", "dgc", "gaussiank", "redsync", "randomk")
 CASES = [(n, "model") for n in sidco.COMPRESSORS] + [(n, "leaf") for n in LEAF_RULES]
 
 
-@pytest.mark.parametrize(("name", "granularity"), CASES)
-def test_every_compressor_survives_every_hostile_input(name, granularity, rng):
+def as_tree(state, params):
+    """``state`` with a bucketed residual as the tree of its entries (the checks read leaves)."""
+    if not isinstance(state.residual, Buckets):
+        return state
+    return state._replace(residual=layout_lib.convert(state.residual, params, "tree"))
+
+
+def poisoned_state(state, params, name):
+    """``state`` with :func:`poison` written into leaf ``name`` of its residual, in its layout."""
+    tree = poison(as_tree(state, params).residual, name)
+    if isinstance(state.residual, Buckets):
+        return state._replace(residual=layout_lib.convert(tree, params, "buckets"))
+    return state._replace(residual=tree)
+
+
+# The bucketed layout packs every leaf kind above into one float32 bucket: each
+# compressor through the same grid again, at model granularity.
+LAYOUT_CASES = [(n, g, "tree") for n, g in CASES] + [
+    (n, "model", "buckets") for n in sidco.COMPRESSORS
+]
+
+
+@pytest.mark.parametrize(("name", "granularity", "layout"), LAYOUT_CASES)
+def test_every_compressor_survives_every_hostile_input(name, granularity, layout, rng):
     options = {} if name == "dense" else {"granularity": granularity}
-    tx = sidco.compressor(name, 0.1, **options)
+    tx = sidco.compressor(name, 0.1, layout=layout, **options)
     base = base_gradient(rng)
     state = tx.init(base)
     update = jax.jit(tx.update)
     for scenario, make, poisoned, skipped in SCENARIOS:
         g = make(base)
         if poisoned and state.residual is not None:
-            state = state._replace(residual=poison(state.residual, poisoned))
+            state = poisoned_state(state, base, poisoned)
         sent, after = update(g, state)
-        check_step(scenario, g, state, sent, after, skipped)
+        check_step(scenario, g, as_tree(state, base), sent, as_tree(after, base), skipped)
         state = after
     assert int(state.count) == len(SCENARIOS)
 
@@ -261,21 +285,23 @@ def test_every_compressor_survives_hostile_input_on_8_devices(
         state = after
 
 
+@pytest.mark.parametrize("layout", ["tree", "buckets"])
 @pytest.mark.parametrize("name", sidco.COMPRESSORS)
-def test_float64_leaves_under_x64_lose_nothing(name, rng):
+def test_float64_leaves_under_x64_lose_nothing(name, layout, rng):
     # The message is float32; a float64 leaf's residual keeps what float32 cannot carry.
     with jax.enable_x64(True):
         g = {
             "f64": rng.normal(size=40) * (1 + 1e-12),  # more digits than float32 holds
             "f32": rng.normal(size=30).astype(np.float32),
         }
-        tx = sidco.compressor(name, 0.1)
+        tx = sidco.compressor(name, 0.1, layout=layout)
         state = tx.init(g)
-        assert state.residual is None or state.residual["f64"].dtype == np.float64
+        assert state.residual is None or as_tree(state, g).residual["f64"].dtype == np.float64
         update = jax.jit(tx.update)
         for skipped in (False, True, False):
             grads = poke(g, "f64", 3, np.nan) if skipped else g
             sent, after = update(grads, state)
+            before, now = as_tree(state, g), as_tree(after, g)
             assert sent["f64"].dtype == np.float64 and bool(after.last.nonfinite) == skipped
             for k in g:
                 s = np.asarray(sent[k], np.float64)
@@ -284,6 +310,6 @@ def test_float64_leaves_under_x64_lose_nothing(name, rng):
                 elif state.residual is None:
                     np.testing.assert_array_equal(s, g[k])
                 else:
-                    owed = g[k] + np.asarray(state.residual[k])
-                    np.testing.assert_array_equal(s + np.asarray(after.residual[k]), owed)
+                    owed = g[k] + np.asarray(before.residual[k])
+                    np.testing.assert_array_equal(s + np.asarray(now.residual[k]), owed)
             state = after
