@@ -94,17 +94,18 @@ def run_shard_map(tx, stream, devices=DEVICES, start=None):
     return updates, states, params
 
 
-def per_device_step(tx, mesh, state):
-    """A jitted ``shard_map`` step over ``AXIS``: per-device gradients in, per-device updates out.
+def per_device_step(tx, mesh, state, axes=AXIS):
+    """A jitted ``shard_map`` step over ``axes``: per-device gradients in, per-device updates out.
 
     Gradients carry a leading device axis; so do the returned updates, so that
-    tests can compare the replicas. The state has the specs of ``state``.
+    tests can compare the replicas. The state has the specs of ``state``, its
+    residual split over ``AXIS``.
     """
     specs = sidco.state_specs(state, AXIS)
 
     @jax.jit
     @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(AXIS), specs)
+        jax.shard_map, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(P(axes), specs)
     )
     def step(state, grads):
         update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)

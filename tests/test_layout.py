@@ -6,13 +6,11 @@ leaves into a few flat buckets and keeps the residual so. Both order the
 entries alike, so they must agree on every update, residual and figure.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, DEVICES, mesh_of, quick_first
+from harness import AXIS, DEVICES, mesh_of, per_device_step, quick_first
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -119,22 +117,13 @@ def test_both_layouts_agree_per_leaf_and_with_warmup(name, rng):
 
 
 def run_mesh(name, layout, stream, **options):
-    """On 8 devices under shard_map(check_vma=True), or 2 x 4 with an inner axis."""
+    """On 8 devices under shard_map, or on 2 x 4 with an inner axis; per-device updates."""
     inner = options.get("inner_axis")
     mesh = jax.make_mesh((2, 4), (AXIS, inner)) if inner else mesh_of(DEVICES)
     axes = (AXIS, inner) if inner else AXIS
     tx = build(name, layout, axis_name=AXIS, **options)
     state = sidco.shard_init(tx, params_of(SMALL), mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(P(axes), specs)
-    )
-    def step(state, grads):
-        update, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-        return jax.tree.map(lambda u: u[None], update), state
-
+    step = per_device_step(tx, mesh, state, axes)
     out = []
     for grads in stream:
         u, state = step(state, jax.device_put(grads, NamedSharding(mesh, P(axes))))

@@ -81,24 +81,6 @@ def _check_size(n: int) -> None:
         )
 
 
-def _check_tree(updates, residual) -> None:
-    """Refuses a gradient tree unlike the one ``init`` saw (recorded by the residual's shapes)."""
-    want, got = jax.tree.structure(residual), jax.tree.structure(updates)
-    if want != got:
-        raise ValueError(
-            f"the gradient's tree structure {got} does not match the one given to init {want}"
-        )
-    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
-    for (path, leaf), r in zip(paths, jax.tree.leaves(residual), strict=True):
-        if _residual_shape(leaf) != r.shape:
-            seen = f"a leaf of shape {r.shape}" if r.size else "a non-floating-point leaf"
-            raise ValueError(
-                f"gradient leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} and "
-                f"dtype {jnp.asarray(leaf).dtype}, but init saw {seen} there: the residual would "
-                "be added to the wrong entries (call init with parameters like the gradients)"
-            )
-
-
 def _devices(axis_name) -> int:
     """Devices along ``axis_name`` (1 for None), with a clear error where it is unbound."""
     if axis_name is None:
