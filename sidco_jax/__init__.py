@@ -26,8 +26,9 @@ from sidco_jax._src.checkpoint import RatioWarning, ResidualWarning, restore, sa
 from sidco_jax._src.control import RULES, StageControl
 from sidco_jax._src.costs import Link
 from sidco_jax._src.hlo import Collective, hlo_collectives
-from sidco_jax._src.loop import LoopOptions, sparsifier
+from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.metrics import metrics
+from sidco_jax._src.options import LoopOptions
 from sidco_jax._src.payload import capacity, densify, sparsify
 from sidco_jax._src.registry import COMPRESSORS, compressor
 from sidco_jax._src.sharding import (

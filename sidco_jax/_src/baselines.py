@@ -28,7 +28,8 @@ from sidco_jax._src.base import (
     static,
 )
 from sidco_jax._src.base import k_of as _k
-from sidco_jax._src.loop import LoopOptions, sparsifier, takes_loop_options
+from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.options import LoopOptions, takes_loop_options
 from sidco_jax._src.selection import everything
 
 

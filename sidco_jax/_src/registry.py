@@ -16,7 +16,7 @@ import optax
 
 from sidco_jax._src import baselines
 from sidco_jax._src.base import check_choice, check_ratio
-from sidco_jax._src.loop import LoopOptions, takes_loop_options
+from sidco_jax._src.options import LoopOptions, takes_loop_options
 from sidco_jax._src.sidco import compress
 
 Factory = Callable[..., optax.GradientTransformationExtraArgs]

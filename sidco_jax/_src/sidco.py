@@ -31,7 +31,8 @@ from sidco_jax._src.base import (
     cond_on_device,
     static,
 )
-from sidco_jax._src.loop import LoopOptions, sparsifier, takes_loop_options
+from sidco_jax._src.loop import sparsifier
+from sidco_jax._src.options import LoopOptions, takes_loop_options
 
 Adaptation = Literal["paper", "directional", "fill"]
 
