@@ -9,6 +9,7 @@ entries alike, so they must agree on every update, residual and figure.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from harness import AXIS, DEVICES, mesh_of, per_device_step, quick_first
 from jax.sharding import NamedSharding
@@ -265,3 +266,31 @@ def test_bucketed_launches_do_not_grow_with_the_leaf_count(name):
     one, many = launches(name, 1), launches(name, 161)
     cut = unpacking(161) - unpacking(1)
     assert many - cut <= 2 * one, (one, many, cut)
+
+
+@pytest.mark.slow
+def test_data_parallel_step_trains_alike_in_both_layouts(rng):
+    # The sharding helpers lay out a bucketed residual as they do a tree: per device.
+    mesh = mesh_of(DEVICES)
+    x = rng.normal(size=(64, 300)).astype(np.float32)
+    y = x @ rng.normal(size=300).astype(np.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params["w"] + params["b"] - targets) ** 2)
+
+    results = []
+    for layout in ("tree", "buckets"):
+        tx = optax.chain(build("sidco-e", layout, axis_name=AXIS), optax.sgd(0.05))
+        params = sidco.place({"w": np.zeros(300, np.float32), "b": np.zeros(1, np.float32)}, mesh)
+        state = sidco.shard_init(tx, params, mesh, AXIS)
+        step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS, donate_state=True)
+        batch = sidco.place((x, y), mesh, P(AXIS))
+        for _ in range(5):
+            params, state, value = step(params, state, batch)
+        results.append((params, float(value)))
+    (p1, v1), (p2, v2) = results
+    assert v1 < 0.9 * float(np.mean(y**2))  # it trained
+    assert v2 == pytest.approx(v1, rel=1e-6)
+    for k in p1:
+        np.testing.assert_allclose(np.asarray(p1[k]), np.asarray(p2[k]), rtol=1e-6, atol=1e-8)
