@@ -1,9 +1,11 @@
-"""The code on the multi-device docs page runs as written."""
+"""The code on the docs pages runs as written, and their lists of compressors are the registry's."""
 
 import pathlib
 import re
 
 import pytest
+
+import sidco_jax as sidco
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 
@@ -48,3 +50,21 @@ def test_the_custom_rule_example_is_a_working_compressor(rng):
     np.testing.assert_allclose(got, want, rtol=0, atol=0)
     residual = np.concatenate([np.ravel(state.residual["b"]), np.ravel(state.residual["w"])])
     np.testing.assert_array_equal(got + residual, flat)
+
+
+def test_every_list_of_all_compressors_is_the_registrys():
+    # Prose cannot import the registry: where a page names every compressor, it names
+    # exactly sidco.COMPRESSORS (a new one added there must be added here too).
+    names = "|".join(map(re.escape, sidco.COMPRESSORS))
+    found = 0
+    for page in sorted(DOCS.glob("*.md")):
+        for paragraph in page.read_text().split("\n\n"):
+            listed = set(re.findall(rf'[`"]({names})[`"]', paragraph))
+            if len(listed) >= len(sidco.COMPRESSORS) - 1:  # a list of (nearly) all of them
+                assert listed == set(sidco.COMPRESSORS), (page.name, paragraph[:200])
+                found += 1
+    assert found >= 3
+    # The network benchmark keeps its list without importing JAX: every one but randomk.
+    from benchmarks import network
+
+    assert set(network.COMPRESSORS) == set(sidco.COMPRESSORS) - {"randomk"}
