@@ -106,9 +106,10 @@ class CompressState(NamedTuple):
     """State of every compressor built by :func:`sidco_jax.sparsifier`.
 
     Attributes:
-      residual: this device's float32 error-feedback residual: a tree like the
-        parameters (each floating-point leaf's shape, at least 1-D; a
-        zero-size vector for other leaves), None without error feedback. Per
+      residual: this device's float32 error-feedback residual: in the tree
+        layout a tree like the parameters (each floating-point leaf's shape,
+        at least 1-D; a zero-size vector for other leaves), in the bucketed
+        layout a ``Buckets`` of flat vectors; None without error feedback. Per
         device: under ``jax.shard_map`` its partition spec is
         ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
       count: int32 number of steps taken.

@@ -1,11 +1,12 @@
 """Partition specs and initialisation of optax states that hold per-device residuals.
 
 Under ``jax.shard_map`` each device keeps its own error-feedback residual, a
-float32 tree shaped like the parameters, while everything else in the
-optimizer state (momentum, step counts, the stage controller, metrics) stays
-replicated. As global arrays the residuals of ``d`` devices are stacked along
-each leaf's first axis: a leaf of shape ``(m, ...)`` becomes ``(d * m, ...)``
-sharded along the axis, device ``i`` holding rows ``[i * m, (i + 1) * m)``.
+float32 tree shaped like the parameters or flat buckets (``layout="buckets"``),
+while everything else in the optimizer state (momentum, step counts, the
+stage controller, metrics) stays replicated. As global arrays the residuals
+of ``d`` devices are stacked along each leaf's (or bucket's) first axis: a
+leaf of shape ``(m, ...)`` becomes ``(d * m, ...)`` sharded along the axis,
+device ``i`` holding rows ``[i * m, (i + 1) * m)``.
 """
 
 from collections.abc import Callable
