@@ -93,12 +93,12 @@ def gradient(shapes, seed: int = 0) -> dict:
     return out
 
 
-def updates(name: str, ratio: float, repeats: int) -> dict:
-    """Every method's update on tree ``name``, both layouts, interleaved."""
+def updates(name: str, ratio: float, repeats: int, layouts=LAYOUTS, methods=METHODS) -> dict:
+    """Each method's update on tree ``name`` in each layout, interleaved."""
     grads = gradient(TREES[name]())
     calls = {"one pass": jax.jit(one_pass)}
-    for layout in LAYOUTS:
-        for method in METHODS:
+    for layout in layouts:
+        for method in methods:
             tx = compressor(method, ratio, layout=layout)
             calls[f"{method} [{layout}]"], _ = carried(tx.update, tx.init(grads))
     ms = measure(calls, (grads,), repeats)
@@ -162,6 +162,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--methods", nargs="+", default=None, help="methods (default: every one of the mode)"
     )
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--check", action="store_true", help="compile: fail past the targets")
     parser.add_argument("--json", type=Path, help="default: benchmarks/results/trees_<mode>.json")
     args = parser.parse_args(argv)
@@ -174,7 +175,8 @@ def main(argv=None) -> dict:
         print("|---|---:|---|---:|---:|---:|---:|")
         for ratio in args.ratios:
             for name in args.trees:
-                rows.append(updates(name, ratio, args.repeats))
+                methods = args.methods or METHODS
+                rows.append(updates(name, ratio, args.repeats, args.layouts, methods))
                 for label, t in rows[-1]["ms"].items():
                     top = f"{t['/ topk']:.3f}" if t["/ topk"] else ""
                     print(

@@ -89,7 +89,8 @@ def resolve(layout: str) -> str:
 
 def residual_dtype(leaf) -> np.dtype:
     """float32, or the leaf's own dtype where it is wider (float64 under x64)."""
-    dtype = getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype  # arrays or shape structs
+    dtype = getattr(leaf, "dtype", None)  # arrays and shape structs have one
+    dtype = jnp.asarray(leaf).dtype if dtype is None else dtype
     dtype = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
     return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
@@ -99,36 +100,35 @@ def plan(floats: Sequence, layout: str, bucket_bytes: int, by_leaf: bool) -> tup
 
     Zero-size leaves take no part. ``layout`` is ``"tree"`` or ``"buckets"``.
     """
-    parts, run = [], []
+    parts, run, filled = [], [], 0  # the run of leaves being packed, and its entries
 
-    def flush():
-        if len(run) == 1 and layout == "tree":
-            parts.append(alone(run[0]))
-        elif run:
-            size = sum(math.prod(np.shape(floats[i])) for i in run)
-            parts.append(Part(tuple(run), (size,), residual_dtype(floats[run[0]])))
-        run.clear()
-
-    def alone(i):
+    def alone(i, dtype):
         shape = tuple(np.shape(floats[i])) if layout == "tree" else (np.size(floats[i]),)
-        return Part((i,), shape or (1,), residual_dtype(floats[i]))
+        return Part((i,), shape or (1,), dtype)
 
+    def flush(dtype):
+        if len(run) == 1 and layout == "tree":
+            parts.append(alone(run[0], dtype))
+        elif run:
+            parts.append(Part(tuple(run), (filled,), dtype))
+        run.clear()
+        return 0
+
+    run_dtype = None
     for i, leaf in enumerate(floats):
         size, dtype = math.prod(np.shape(leaf)), residual_dtype(leaf)
         limit = max(bucket_bytes // dtype.itemsize, 1)
         if size == 0:
             continue
         if by_leaf or size >= limit or (layout == "tree" and size >= SMALL):
-            flush()
-            parts.append(alone(i))
+            filled = flush(run_dtype)
+            parts.append(alone(i, dtype))
             continue
-        if run and (
-            residual_dtype(floats[run[0]]) != dtype
-            or sum(math.prod(np.shape(floats[j])) for j in run) + size > limit
-        ):
-            flush()
+        if run and (run_dtype != dtype or filled + size > limit):
+            filled = flush(run_dtype)
         run.append(i)
-    flush()
+        run_dtype, filled = dtype, filled + size
+    flush(run_dtype)
     return tuple(parts)
 
 
