@@ -198,8 +198,9 @@ def aggregate(
         if payload is None:
             mean = _dense_mean(fed.u, finite, axis_name)
             message = sum(x.size * x.dtype.itemsize for x in fed.u)
-        elif routed is None:
+        else:  # a non-finite step sends zeros everywhere
             values = jnp.where(finite, payload.values, 0.0)
+        if payload is not None and routed is None:
             sent_at = (payload.indices, values)
             mean = mean_of(payload._replace(values=values), sizes, axis_name, mode, chosen.shared)
             message = (
@@ -207,8 +208,7 @@ def aggregate(
                 if mode == "sparse"
                 else message_bytes(mode, n, capacity, chosen.shared)
             )
-        else:
-            values = jnp.where(finite, payload.values, 0.0)
+        elif routed is not None:
             sent_at = (routed.sent, values)
             routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
             reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
