@@ -17,6 +17,7 @@ import optax
 from jax import lax
 
 from sidco_jax._src.base import check_integer
+from sidco_jax._src.eager import compiled_when_eager
 
 
 class AccumulateState(NamedTuple):
@@ -112,4 +113,4 @@ def accumulate(
         accumulator = jax.tree.map(lambda a: jnp.where(boundary, jnp.zeros_like(a), a), mean)
         return out, AccumulateState((state.mini_step + 1) % every_k, accumulator, inner)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return compiled_when_eager(optax.GradientTransformationExtraArgs(init, update))

@@ -50,6 +50,7 @@ from sidco_jax._src.base import (
     empty_init,
     is_float,
 )
+from sidco_jax._src.eager import compiled_when_eager
 from sidco_jax._src.layout import Buckets, Layout
 from sidco_jax._src.warmup import warmed_up
 
@@ -372,11 +373,10 @@ def sparsifier(
         return jax.tree.unflatten(treedef, out), new_state
 
     compressed = optax.GradientTransformationExtraArgs(init, update)
-    if isinstance(warmup_steps, int) and warmup_steps == 0:
-        return compressed
-    return warmed_up(
-        compressed, dense_mean(axis_name, inner_axis, layout, bucket_bytes), warmup_steps
-    )
+    if not (isinstance(warmup_steps, int) and warmup_steps == 0):
+        dense = dense_mean(axis_name, inner_axis, layout, bucket_bytes)
+        compressed = warmed_up(compressed, dense, warmup_steps)
+    return compiled_when_eager(compressed)
 
 
 def dense_mean(
