@@ -135,7 +135,7 @@ WRAPPED = {  # the compressor inside each optax wrapper metrics() must see throu
         ("sidco", sidco.compress(0.05)), ("sgd", optax.sgd(0.1))
     ),
     "inject": lambda: optax.inject_hyperparams(
-        sidco.compress, static_args=("ratio", "capacity_factor")
+        sidco.compress, static_args=("ratio", "capacity_factor", "stages")
     )(0.05, stages=2),
     "multi_steps": lambda: optax.MultiSteps(optax.chain(sidco.compress(0.05), optax.sgd(0.1)), 2),
     "apply_if_finite": lambda: optax.apply_if_finite(
@@ -319,3 +319,42 @@ def test_no_update_fills_a_gradient_sized_array_with_constants(make):
     tx = make()
     step = jax.jit(lambda g, s: tx.update(g, s)[::-1], donate_argnums=1)
     assert constant_fills(step, grads, tx.init(grads), shape=(64, 512)) == []
+
+
+def test_an_injected_stage_count_takes_effect_when_fixed(rng):
+    grads = rng.laplace(size=4000).astype(np.float32)
+    tx = optax.inject_hyperparams(sidco.compress, static_args=("ratio", "capacity_factor"))(
+        0.01, adaptation=None, stages=1
+    )
+    step = jax.jit(tx.update)
+    _, state = step(grads, tx.init(grads))
+    state.hyperparams["stages"] = jnp.asarray(3)
+    out, after = step(grads, state)
+    # The same step of a compressor built with stages=3, from the same state.
+    built = {s: sidco.compress(0.01, adaptation=None, stages=s) for s in (1, 3)}
+    expected = {s: jax.jit(tx.update)(grads, state.inner_state)[0] for s, tx in built.items()}
+    assert not np.array_equal(expected[1], expected[3])  # the count matters here
+    np.testing.assert_array_equal(out, expected[3])
+    assert int(after.inner_state.rule.stages) == 3
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: optax.inject_hyperparams(
+                sidco.compress, static_args=("ratio", "capacity_factor")
+            )(0.01, stages=2),
+            "stages is where an adaptation starts, read by init only",
+        ),
+        (
+            lambda: optax.inject_hyperparams(lambda ratio: sidco.compressor("dense", ratio))(0.01),
+            "ratio is ignored by 'dense'",
+        ),
+    ],
+)
+def test_injecting_a_hyperparameter_that_would_change_nothing_is_refused(rng, make, message):
+    params = rng.normal(size=400).astype(np.float32)
+    tx = make()
+    with pytest.raises(ValueError, match=message + ".*static_args"):
+        jax.jit(tx.update)(params, tx.init(params))

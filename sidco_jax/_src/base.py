@@ -198,12 +198,17 @@ def is_float(leaf) -> bool:
     return jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
 
 
-def static(name: str, value):
-    """Returns ``value``, or raises a clear error if a shape-setting option is traced."""
+def static(name: str, value, why: str = "sets the payload shape and must be static"):
+    """Returns ``value``, or raises a clear error if an option that cannot vary is traced.
+
+    ``why`` says what the option does that a traced value could not: by
+    default, set a shape.
+    """
     if isinstance(value, jax.core.Tracer):
+        listed = tuple(dict.fromkeys(("ratio", "capacity_factor", name)))
         raise ValueError(
-            f"{name} sets the payload shape and must be static; with optax.inject_hyperparams "
-            f"list it in static_args, e.g. static_args=('ratio', 'capacity_factor')"
+            f"{name} {why}; with optax.inject_hyperparams list it in static_args, "
+            f"e.g. static_args={listed}"
         )
     return value
 

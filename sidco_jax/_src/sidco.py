@@ -35,6 +35,10 @@ from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.options import LoopOptions, takes_loop_options
 
 Adaptation = Literal["paper", "directional", "fill"]
+STARTING_STAGES = (
+    "is where an adaptation starts, read by init only, so an injected value would change "
+    "nothing (adaptation=None makes the count follow it)"
+)
 
 
 class SidcoState(NamedTuple):
@@ -83,6 +87,10 @@ def rule(
         scale, previous = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)  # two buffers
         return SidcoState(jnp.asarray(stages, jnp.int32), control, scale, previous)
 
+    def current(state: SidcoState) -> jax.Array:
+        # Fixed, the count is the factory's: an injected stages takes effect.
+        return state.stages if adaptation is not None else jnp.asarray(stages, jnp.int32)
+
     def select(vectors, abs_sums, state, key):
         del key
         n = sum(v.shape[0] for v in vectors)
@@ -91,7 +99,7 @@ def rule(
         def fitted():
             total = jnp.sum(abs_sums)
             eta = thresholds.from_abs_sum(
-                vectors, total, ratio, estimator, state.stages, first_ratio
+                vectors, total, ratio, estimator, current(state), first_ratio
             )
             return eta * jnp.exp(state.scale)
 
@@ -119,7 +127,7 @@ def rule(
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
         if adaptation is None:
-            return state
+            return state._replace(stages=current(state))
         achieved = jnp.where(figures.nonfinite, 1.0, figures.density / figures.target_density)
         new_stages, control = control_lib.adapt(
             state.stages,
@@ -163,8 +171,10 @@ def compress(
         Static (it sets the payload capacity).
       estimator: ``"exponential"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or
         ``"gamma"`` (SIDCo-GP).
-      stages: (initial) number of threshold stages, in
-        ``[1, max_stages(ratio)]``; by default ``min(3, max_stages(ratio))``.
+      stages: number of threshold stages, in ``[1, max_stages(ratio)]``; by
+        default ``min(3, max_stages(ratio))``. With ``adaptation=None`` the
+        count on every step (it may be injected, traced); otherwise the count
+        the adaptation starts from, read by ``init`` only (static).
       adaptation: how the stage count follows the achieved density:
         ``"paper"`` (default: every ``period`` steps one stage fewer above
         ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
@@ -220,10 +230,12 @@ def compress(
     capacity_factor = check_capacity_factor(capacity_factor)
     check_estimator(estimator)
     first_ratio = check_ratio(first_ratio, "first_ratio")
+    check_choice("adaptation", adaptation, control_lib.RULES, optional=True)
+    if adaptation is not None:
+        stages = static("stages", stages, STARTING_STAGES)
     stages = thresholds.check_stages(
         min(3, thresholds.max_stages(ratio)) if stages is None else stages, ratio
     )
-    check_choice("adaptation", adaptation, control_lib.RULES, optional=True)
     period = check_integer("period", period, 1)
     band = check_number("band", band, 0.0, 1.0, open_low=True, open_high=True)
 
