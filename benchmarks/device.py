@@ -13,8 +13,8 @@ Then, on flat float32 vectors (``--sizes``), what a compressor adds to a
 step: one ``sum(|x|)`` pass (the floor for anything that reads the gradient),
 ``lax.top_k`` and ``lax.approx_max_k`` plus the gather of the selected values,
 SIDCo-E/P/GP (threshold with ``min(3, max_stages)`` stages + fixed-capacity
-payload), and the whole jitted optax ``update`` of ``sidco.compress`` (the
-default, and ``adaptation="fill"`` on both of its paths), ``sidco.dgc`` and
+payload), and the whole jitted optax ``update`` of ``sidco.compress`` (its
+default ``adaptation="fill"`` on both of its paths, and the paper's rule), ``sidco.dgc`` and
 ``sidco.topk``. Methods run round-robin within each repetition after a
 warm-up, so that machine noise hits all alike; the tables report the median
 and interquartile range in ms, ratios of medians, and the achieved density of
@@ -99,7 +99,7 @@ def methods(n: int, ratio: float) -> dict:
 
 
 def in_hand(state, x: jax.Array, ratio: float):
-    """``adaptation="fill"``'s state with a last threshold that 2x the capacity of ``x`` pass.
+    """The default ``adaptation="fill"``'s state with a last threshold that 2x the capacity of ``x`` pass.
 
     The update then takes the path of a step whose last threshold is still in
     hand (no fit, no bracket): a selection 4x the capacity wide and the pick of
@@ -113,14 +113,15 @@ def in_hand(state, x: jax.Array, ratio: float):
 def updates(x: jax.Array, ratio: float) -> dict:
     """Jitted optax ``update`` on ``{"w": x}``, as functions of ``x`` with a fixed state.
 
-    SIDCo-E with ``adaptation="fill"`` runs twice: from a fresh state (no last
-    threshold: it fits and brackets on every call) and with a last threshold
-    in hand (see :func:`in_hand`), the two paths a training step takes.
+    SIDCo-E with its default ``adaptation="fill"`` runs twice: from a fresh
+    state (no last threshold: it fits and brackets on every call) and with a
+    last threshold in hand (see :func:`in_hand`), the two paths a training
+    step takes; ``"update sidco-e"`` is the paper's rule.
     """
-    fill = sidco.compress(ratio, adaptation="fill")
+    fill = sidco.compress(ratio)
     out = {}
     for name, tx, prepare in [
-        ("update sidco-e", sidco.compress(ratio), None),
+        ("update sidco-e", sidco.compress(ratio, adaptation="paper"), None),
         ("update sidco-e fill, refit", fill, None),
         ("update sidco-e fill, in hand", fill, in_hand),
         ("update dgc", sidco.dgc(ratio), None),

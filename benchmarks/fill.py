@@ -40,14 +40,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--ratio", type=float, default=0.001)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--skip", type=int, default=20, help="first steps left out")
+    parser.add_argument("--seeds", type=int, default=1, help="runs per label, seeds 0, 1, ...")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
 
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import numpy as np
-    import optax
 
-    import sidco_jax as sidco
     from examples.common import loop, parallel
 
     task, config = loop.example(f"{args.trainer}:default")
@@ -57,45 +56,63 @@ def main(argv=None) -> list[dict]:
     mesh = parallel.mesh(config.devices)
 
     rows = []
-    print(f"\n{args.trainer}, ratio {args.ratio}, {args.steps} steps\n")
-    print("| run | final | sent/target (median) | steps >= 0.5 | first 20 (mean) | s/step |")
+    print(f"\n{args.trainer}, ratio {args.ratio}, {args.steps} steps, {args.seeds} seed(s)\n")
+    print(
+        "| run | final (min-max) | sent/target (median) | steps >= 0.5 | first 20 (mean) | s/step |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for label in args.labels:
-        name, options = parse_label(label)
-        tx = optax.chain(
-            sidco.compressor(name, config.ratio, axis_name=parallel.AXIS, **options),
-            optax.sgd(config.learning_rate, momentum=config.momentum),
-        )
-        params = sidco.place(task.init(config.seed), mesh)
-        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
-        step = sidco.data_parallel_step(
-            task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
-        )
-        with tempfile.TemporaryDirectory() as workdir:
-            history = loop.fit(
-                config, task, name, step, params, opt_state, mesh, pathlib.Path(workdir)
-            )
-        achieved = np.asarray(history.achieved)
-        tail = achieved[args.skip :]
-        start = options.get("warmup_steps", 0)
-        row = {
-            "run": label,
-            "final": history.evals[-1],
-            "median": float(np.median(tail)),
-            "at_least_half": float(np.mean(tail >= 0.5)),
-            "first": float(np.mean(achieved[start : start + 20])),
-            "seconds_per_step": history.seconds_per_step,
-        }
-        rows.append(row)
+        runs = [
+            run(label, dataclasses.replace(config, seed=seed), task, mesh, args.skip)
+            for seed in range(args.seeds)
+        ]
+        rows.extend(runs)
+        mid = {key: float(np.median([r[key] for r in runs])) for key in runs[0] if key != "run"}
+        finals = [r["final"] for r in runs]
         print(
-            f"| {label} | {row['final']:.4f} | {row['median']:.2f} | {row['at_least_half']:.2f} "
-            f"| {row['first']:.2f} | {row['seconds_per_step']:.3f} |",
+            f"| {label} | {mid['final']:.4f} ({min(finals):.4f}-{max(finals):.4f}) "
+            f"| {mid['median']:.2f} | {mid['at_least_half']:.2f} | {mid['first']:.2f} "
+            f"| {mid['seconds_per_step']:.3f} |",
             flush=True,
         )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
     return rows
+
+
+def run(label: str, config, task, mesh, skip: int) -> dict:
+    """One training run of the compressor ``label`` names: its figures after ``skip`` steps."""
+    import numpy as np
+    import optax
+
+    import sidco_jax as sidco
+    from examples.common import loop, parallel
+
+    name, options = parse_label(label)
+    tx = optax.chain(
+        sidco.compressor(name, config.ratio, axis_name=parallel.AXIS, **options),
+        optax.sgd(config.learning_rate, momentum=config.momentum),
+    )
+    params = sidco.place(task.init(config.seed), mesh)
+    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+    step = sidco.data_parallel_step(
+        task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        history = loop.fit(config, task, name, step, params, opt_state, mesh, pathlib.Path(workdir))
+    achieved = np.asarray(history.achieved)
+    tail = achieved[skip:]
+    start = options.get("warmup_steps", 0)
+    return {
+        "run": label,
+        "seed": config.seed,
+        "final": history.evals[-1],
+        "median": float(np.median(tail)),
+        "at_least_half": float(np.mean(tail >= 0.5)),
+        "first": float(np.mean(achieved[start : start + 20])),
+        "seconds_per_step": history.seconds_per_step,
+    }
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def compressor(label: str, ratio: float, axis_name: str | None):
     over each process's own devices, compressed across the processes (the link).
     The one place this benchmark gets compressors from.
     """
-    from benchmarks.overhead import compressor as named  # "sidco-e fill" too
+    from benchmarks.overhead import compressor as named  # "sidco-e paper" too
 
     name = label.removesuffix(HIERARCHICAL)
     if label.endswith(HIERARCHICAL) and axis_name is not None:

@@ -8,7 +8,7 @@ median with its interquartile range and ratios taken in the same run.
   vector against ``lax.top_k`` (plus the same gather), the naive
   ``jnp.nonzero(size=capacity)`` payload and one ``sum(|x|)`` pass.
 * ``updates``: the whole ``jax.jit(tx.update)`` of every registered compressor
-  and of SIDCo-E/P with ``adaptation="fill"`` and SIDCo-E with its stage count
+  and of SIDCo-E/P with ``adaptation="paper"`` and SIDCo-E with its stage count
   fixed at ``max_stages(ratio)``, also with every stage reading every entry
   (the middle stages fit a sample otherwise) (error feedback, selection,
   write-back, metrics), on a gradient *tree* and on
@@ -75,16 +75,16 @@ VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 MODES = ("kernels", "updates", "phases", "step", "axis")
 
 
-# SIDCo-E/P with the per-step bracket that fills the payload (docs/optax.md), beside the
-# registry's compressors, which keep the default adaptation.
-FILL = {f"{name} fill": name for name in ("sidco-e", "sidco-p")}
-LABELS = (*sidco.COMPRESSORS, *FILL)
+# SIDCo-E/P with the paper's stage rule (docs/optax.md), beside the registry's
+# compressors, which keep the default adaptation ("fill").
+PAPER = {f"{name} paper": name for name in ("sidco-e", "sidco-p")}
+LABELS = (*sidco.COMPRESSORS, *PAPER)
 
 
 def compressor(label: str, ratio: float, **options) -> optax.GradientTransformation:
-    """The compressor a row label names: a registry name or one of :data:`FILL`."""
-    if label in FILL:
-        return sidco.compressor(FILL[label], ratio, adaptation="fill", **options)
+    """The compressor a row label names: a registry name or one of :data:`PAPER`."""
+    if label in PAPER:
+        return sidco.compressor(PAPER[label], ratio, adaptation="paper", **options)
     return sidco.compressor(label, ratio, **options)
 
 

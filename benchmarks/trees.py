@@ -42,7 +42,7 @@ from sidco_jax._src.hlo import hlo_launches
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("tree", "buckets")
 # Each method's row: a registry name, or SIDCo-E with the adaptation that fills the payload.
-METHODS = ("sidco-e", "sidco-p", "sidco-gp", "sidco-e fill", "topk", "dgc", "dense")
+METHODS = ("sidco-e", "sidco-p", "sidco-gp", "sidco-e paper", "topk", "dgc", "dense")
 COMPILE_SECONDS, COMPILE_BYTES = 60, 4 * 2**30
 
 

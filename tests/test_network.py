@@ -120,18 +120,18 @@ def test_unknown_compressors_are_refused_before_anything_is_created(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "unknown compressor 'sidco-e stear'; allowed: sidco-e, " in err
-    assert ", sidco-e fill," in err
+    assert ", sidco-e paper," in err
 
 
 def test_runs_may_name_an_adaptation():
-    # "sidco-e fill" is SIDCo-E with adaptation="fill": the payload fills.
+    # "sidco-e" fills the payload (the default); "sidco-e paper" runs the paper's rule.
     g = np.random.default_rng(0).standard_t(3, size=10_000).astype(np.float32)
     sent = {}
-    for label in ("sidco-e fill", "sidco-e"):
+    for label in ("sidco-e paper", "sidco-e"):
         tx = network.compressor(label, 0.01, None)
         sent[label] = float(tx.update(g, tx.init(g))[1].last.density)
-    assert sent["sidco-e fill"] == pytest.approx(sidco.capacity(g.size, 0.01) / g.size)
-    assert sent["sidco-e"] != sent["sidco-e fill"]
+    assert sent["sidco-e"] == pytest.approx(sidco.capacity(g.size, 0.01) / g.size)
+    assert sent["sidco-e"] != sent["sidco-e paper"]
 
 
 def test_hierarchical_runs_need_several_devices_per_process(capsys):

@@ -36,16 +36,16 @@ def test_updates_on_a_tree_and_its_flat_copy(overhead, tmp_path):
     assert [r["source"] for r in rows] == ["lm:tiny (tree)", "lm:tiny (one flat leaf)"]
     for row in rows:
         names = set(row["ms"])
-        fill = {"sidco-e fill", "sidco-p fill", "sidco-e, 10 stages fixed"}  # 10 at 0.001
-        fill |= {"sidco-e, 10 stages fixed, every stage whole"}
+        more = {"sidco-e paper", "sidco-p paper", "sidco-e, 10 stages fixed"}  # 10 at 0.001
+        more |= {"sidco-e, 10 stages fixed, every stage whole"}
         first = {"sidco-e, update returned first", "topk, update returned first"}
         first |= {f"{c}, gradient donated" for c in ("dense", "sidco-e", "sidco-p", "topk", "dgc")}
         assert {"one pass", "sidco-e threshold+payload"} | set(
             overhead.sidco.COMPRESSORS
-        ) | fill | first == names
+        ) | more | first == names
         assert row["ms"]["topk"]["/ base"] == 1.0 and row["ms"]["one pass"]["/ one pass"] == 1.0
         # The temporary bytes of an update are measured, and finite, for every compressor.
-        assert set(row["temp"]) == set(overhead.sidco.COMPRESSORS) | fill | first
+        assert set(row["temp"]) == set(overhead.sidco.COMPRESSORS) | more | first
         assert all(0 <= v < 10 for v in row["temp"].values())
 
 

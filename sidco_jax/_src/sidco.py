@@ -115,7 +115,8 @@ def rule(
 
         def refit():
             eta = control_lib.bracket(vectors, fitted(), cap)
-            return payload_lib.select_above(vectors, eta, width), eta
+            # Carried as float32, as the threshold in hand (float64 under x64 input).
+            return payload_lib.select_above(vectors, eta, width), eta.astype(jnp.float32)
 
         if carry:
             wide = payload_lib.select_above(vectors, state.previous, width)
@@ -157,7 +158,7 @@ def compress(
     *,
     estimator: Estimator = "exponential",
     stages: int | None = None,
-    adaptation: Adaptation | None = "paper",
+    adaptation: Adaptation | None = "fill",
     first_ratio: float = 0.25,
     capacity_factor: float = 1.0,
     period: int = 5,
@@ -175,15 +176,15 @@ def compress(
         default ``min(3, max_stages(ratio))``. With ``adaptation=None`` the
         count on every step (it may be injected, traced); otherwise the count
         the adaptation starts from, read by ``init`` only (static).
-      adaptation: how the stage count follows the achieved density:
-        ``"paper"`` (default: every ``period`` steps one stage fewer above
-        ``1 + band`` x target, one more below ``1 - band``), ``"directional"``
-        (reverses after a move that did not help), ``"fill"`` (the paper's
-        moves, plus a bracket around the threshold that fills the payload with
-        its largest entries, at two counting passes on the steps where the
-        last step's threshold no longer passes 1-4x the capacity) or
-        ``None`` (fixed). The default was chosen on training runs under error
-        feedback (docs/optax.md, docs/benchmarks.md).
+      adaptation: how the threshold follows the achieved density:
+        ``"fill"`` (default: the paper's stage moves, plus, on the steps
+        where the last step's threshold no longer passes 1-4x the capacity, a
+        bracket around the fitted threshold; the payload, paid for in full
+        every step, then holds the largest entries), ``"paper"`` (the paper's
+        rule: every ``period`` steps one stage fewer above ``1 + band`` x
+        target, one more below ``1 - band``), ``"directional"`` (reverses
+        after a move that did not help) or ``None`` (fixed stages). See
+        docs/optax.md for how they compare under error feedback.
       first_ratio: density targeted by the first of several stages, in (0, 1].
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
