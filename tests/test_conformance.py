@@ -21,7 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, DEVICES, mesh_of, per_device_step
+from harness import (
+    AXIS,
+    DEVICES,
+    SHAPES,
+    flat_residual,
+    gradient_stream,
+    mesh_of,
+    per_device_step,
+    run_shard_map,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,8 +193,14 @@ def as_tree(state, params):
 def poisoned_state(state, params, name):
     """``state`` with :func:`poison` written into leaf ``name`` of its residual, in its layout."""
     tree = poison(as_tree(state, params).residual, name)
-    if isinstance(state.residual, Buckets):
-        return state._replace(residual=layout_lib.convert(tree, params, "buckets"))
+    if isinstance(state.residual, Buckets):  # cut into the state's own buckets (one per leaf too)
+        buckets = state.residual.buckets
+        cut = layout_lib.regroup(jax.tree.leaves(tree), [b.shape for b in buckets], 1)
+        return state._replace(
+            residual=Buckets(
+                tuple(jnp.asarray(x, b.dtype) for x, b in zip(cut, buckets, strict=True))
+            )
+        )
     return state._replace(residual=tree)
 
 
@@ -211,6 +226,53 @@ def test_every_compressor_survives_every_hostile_input(name, granularity, layout
         check_step(scenario, g, as_tree(state, base), sent, as_tree(after, base), skipped)
         state = after
     assert int(state.count) == len(SCENARIOS)
+
+
+# Ratio 1 asks for every entry: each compressor, at both granularities and in
+# both layouts, must then be the dense mean, leaving nothing in the residual.
+RATIO_ONE_CASES = [
+    (n, g, layout)
+    for n in sidco.COMPRESSORS
+    for g in (("model",) if n == "dense" else sidco.GRANULARITIES)
+    for layout in ("tree", "buckets")
+]
+
+
+@pytest.mark.parametrize(("name", "granularity", "layout"), RATIO_ONE_CASES)
+def test_every_compressor_at_ratio_one_is_the_dense_mean(name, granularity, layout, rng):
+    options = {} if name == "dense" else {"granularity": granularity}
+    tx, dense = sidco.compressor(name, 1.0, layout=layout, **options), sidco.dense()
+    base = base_gradient(rng)
+    state, dense_state = tx.init(base), dense.init(base)
+    update, reference = jax.jit(tx.update), jax.jit(dense.update)
+    for scenario, make, poisoned, _ in SCENARIOS:
+        g = make(base)
+        if poisoned and state.residual is not None:
+            state = poisoned_state(state, base, poisoned)
+        sent, state = update(g, state)
+        want, dense_state = reference(g, dense_state)
+        for k in LEAVES:  # denormals: dense passes them on, the loop's g + r flushes them
+            got, dense_sent = (flush(x[k]) if k in FLOATS else x[k] for x in (sent, want))
+            assert sent[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got, dense_sent, err_msg=f"{scenario}: {k}")
+        if state.residual is not None:
+            for k in FLOATS:
+                left = np.asarray(as_tree(state, base).residual[k])
+                assert not np.any(left), f"{scenario}: {k} kept {np.count_nonzero(left)} entries"
+
+
+@pytest.mark.parametrize("name", sidco.COMPRESSORS)
+def test_every_compressor_at_ratio_one_is_the_mean_over_8_devices(name, rng):
+    # Multiples of 1/64 below 4: sums of 8 are exact, so the mean is NumPy's to the bit.
+    options = {} if name in ("dense", "randomk") else {"communication": "sparse"}
+    stream = gradient_stream(rng, 2)
+    updates, states, _ = run_shard_map(
+        sidco.compressor(name, 1.0, axis_name=AXIS, **options), stream
+    )
+    for update, state, grads in zip(updates, states, stream, strict=True):
+        for k in SHAPES:
+            np.testing.assert_array_equal(update[k], grads[k].mean(0), err_msg=k)
+        assert state.residual is None or not np.any(flat_residual(state))
 
 
 def per_device(make, rng):
