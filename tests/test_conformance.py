@@ -133,7 +133,7 @@ def assert_finite_tree(tree, what):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         leaf = np.asarray(leaf)
         if np.issubdtype(leaf.dtype, np.inexact) or leaf.dtype == jnp.bfloat16:
-            assert np.all(np.isfinite(leaf.astype(np.complex64))), (
+            assert np.all(np.isfinite(leaf.astype(np.complex128))), (
                 f"{what}{jax.tree_util.keystr(path)}"
             )
 
@@ -374,4 +374,31 @@ def test_float64_leaves_under_x64_lose_nothing(name, layout, rng):
                 else:
                     owed = g[k] + np.asarray(before.residual[k])
                     np.testing.assert_array_equal(s + np.asarray(now.residual[k]), owed)
+            state = after
+
+
+@pytest.mark.parametrize("name", sidco.COMPRESSORS)
+def test_float64_beyond_float32s_range_saturates_and_the_residual_keeps_the_rest(name, rng):
+    # The message is float32: 1e300 is sent as float32's largest value, the rest stays.
+    top = float(np.finfo(np.float32).max)
+    big = np.resize([1e300, -1e300], 10)  # a whole stratum of random-k's, which draws one
+    with jax.enable_x64(True):
+        g = {"f64": rng.normal(size=40), "f32": rng.normal(size=30).astype(np.float32)}
+        g["f64"][:10] = big
+        tx = sidco.compressor(name, 0.1)
+        state = tx.init(g)
+        update = jax.jit(tx.update)
+        for _ in range(3):
+            sent, after = update(g, state)
+            assert_finite_tree(sent, "update")
+            assert_finite_tree(after, "state")
+            assert not bool(after.last.nonfinite)
+            s = np.asarray(sent["f64"])
+            if state.residual is None:  # dense: no float32 message, the float64 mean
+                np.testing.assert_array_equal(s, g["f64"])
+            else:
+                owed = g["f64"] + np.asarray(state.residual["f64"])
+                np.testing.assert_array_equal(np.asarray(after.residual["f64"]), owed - s)
+                saturated = s[:10] == np.sign(big) * top
+                assert np.all(saturated | (s[:10] == 0)) and np.any(saturated), s[:10]
             state = after

@@ -129,6 +129,19 @@ def _round_to_leaves(values, indices, dtypes, sizes):
     return out
 
 
+def _message(x: jax.Array) -> jax.Array:
+    """``x`` as the float32 message carries it, saturating where ``x`` is wider.
+
+    A float64 entry beyond float32's range is sent as its largest finite
+    value and the float64 residual keeps the excess (as a float16 leaf's does,
+    :func:`_round_to_leaves`): cast, it would be sent as an infinity.
+    """
+    if jnp.finfo(x.dtype).bits > 32:
+        top = float(jnp.finfo(jnp.float32).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(jnp.float32)
+
+
 def select(
     rule: Rule,
     u: Sequence[jax.Array],
@@ -160,7 +173,7 @@ def select(
         chosen = []
         for group, k in zip(groups, keys, strict=True):
             # The message is float32; a float64 leaf's residual keeps what it cannot carry.
-            vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
+            vectors = [_message(u[i].reshape(-1)) for i in group]
             sums = abs_sums[np.asarray(group)]
             selection = rule.select(vectors, sums, rule_state, k)
             chosen.append(fill_if_starved(selection, vectors, jnp.sum(sums)))
