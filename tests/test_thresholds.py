@@ -234,6 +234,17 @@ def test_half_precision_inputs(rng):
         assert achieved(x, eta, 0.01) == pytest.approx(1.0, abs=0.1)
 
 
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+def test_a_power_of_two_scales_the_threshold_exactly(rng, estimator):
+    # Statistics of x over a power of two near its mean magnitude: the threshold of
+    # x * 2**e is that of x times 2**e, bit for bit.
+    x = rng.laplace(size=50_000).astype(np.float32)
+    want = float(sidco.threshold(x, 0.01, estimator=estimator, stages=2))
+    for e in (-60, -20, 40):
+        eta = sidco.threshold(x * np.float32(2.0**e), 0.01, estimator=estimator, stages=2)
+        assert float(eta) == want * 2.0**e, e
+
+
 def test_bad_arguments():
     x = jnp.ones(10)
     with pytest.raises(ValueError, match="estimator must be one of"):
