@@ -230,6 +230,12 @@ def sparsifier(
     run over the floating-point entries in ``jax.tree.leaves`` order, in
     every layout.
 
+    The message is float32. Under x64 a float64 leaf keeps a float64
+    residual: its entries are sent rounded to float32, those beyond float32's
+    range as its largest finite value, and the residual keeps the rest.
+    Magnitudes below float32's smallest normal number (about 1.2e-38) cannot
+    be sent at all: they stay in the residual, exactly, and are never lost.
+
     Args:
       rule: the :class:`~sidco_jax.Rule` choosing what to send.
       ratio: target density (reported in the metrics).

@@ -215,7 +215,8 @@ def select_above(
     if n == 0:
         zeros = jnp.zeros((capacity,), dtype)
         return Payload(zeros, jnp.zeros((capacity,), jnp.int32), jnp.int32(0), jnp.int32(0))
-    threshold = jnp.asarray(threshold, jnp.float32)
+    threshold = jnp.asarray(threshold)  # a float64 one is compared in float64 with float64 x
+    threshold = threshold.astype(jnp.promote_types(threshold.dtype, jnp.float32))
 
     words, word_sizes, after = [], [], None
     for v in vectors:
@@ -387,7 +388,8 @@ def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
       x: a float array of any shape, or a pytree of them (a gradient tree):
         indices run over the concatenation of its leaves, each flattened
         row-major, in ``jax.tree.leaves`` order. Nothing is concatenated.
-      threshold: scalar magnitude threshold, may be traced (NaN selects nothing).
+      threshold: scalar magnitude threshold, may be traced (NaN selects nothing);
+        a float64 one (under x64) is compared in float64 with float64 leaves.
       capacity: static number of slots, an int ``>= 1``.
 
     Returns:
