@@ -29,7 +29,8 @@ ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 GRANULARITIES: tuple[str, ...] = get_args(Granularity)
 MODES: tuple[str, ...] = get_args(Communication)
 
-MAX_SIZE = 2**31 - 1  # int32 indices, with ``size`` itself as the padding index
+INT32_MAX = 2**31 - 1
+MAX_SIZE = INT32_MAX  # int32 indices, with ``size`` itself as the padding index
 VALUE_BYTES = 4  # float32 on the wire
 INDEX_BYTES = 4  # int32
 SLOT_BYTES = VALUE_BYTES + INDEX_BYTES
@@ -112,7 +113,8 @@ class CompressState(NamedTuple):
         layout a ``Buckets`` of flat vectors; None without error feedback. Per
         device: under ``jax.shard_map`` its partition spec is
         ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
-      count: int32 number of steps taken.
+      count: int32 number of steps taken, saturating at ``2**31 - 1``
+        (:func:`next_count`).
       last: :class:`CompressMetrics` of the last step.
       rule: the selection rule's own state (``optax.EmptyState()`` if none).
     """
@@ -166,6 +168,17 @@ class Rule(NamedTuple):
     init: RuleInitFn
     select: SelectFn
     observe: ObserveFn = no_observation
+
+
+def next_count(count: jax.Array) -> jax.Array:
+    """``count + 1`` for an int32 step count, saturating at ``2**31 - 1``.
+
+    Wrapped to ``-2**31``, the count would start a warm-up over again; held
+    at its largest value, it stays past every warm-up (``warmup_steps`` is at
+    most ``2**31 - 1``). The random key of a step, folded from the count,
+    repeats from then on.
+    """
+    return count + (count < INT32_MAX).astype(count.dtype)
 
 
 def cond_on_device(pred, true_fn, false_fn):

@@ -49,6 +49,7 @@ from sidco_jax._src.base import (
     check_seed,
     empty_init,
     is_float,
+    next_count,
 )
 from sidco_jax._src.layout import Buckets, Layout
 from sidco_jax._src.warmup import warmed_up
@@ -244,7 +245,8 @@ def sparsifier(
         merged into one message).
       error_feedback: keep what was not sent and add it to the next gradient.
       seed: seed of the rule's randomness, in ``[0, 2**32 - 1]``; the key of
-        step ``t`` is ``fold_in(key(seed), t)``, the same on every device.
+        step ``t`` is ``fold_in(key(seed), t)``, the same on every device
+        (the step count saturates at ``2**31 - 1``, and the key with it).
         Deterministic rules ignore it.
       axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
         ``jax.pmap`` to average the update over; None (default) sparsifies
@@ -332,7 +334,7 @@ def sparsifier(
         n = sum(g.size for g in grads)
         _check_size(n)
         if n == 0 and not complex_at:
-            return updates, state._replace(count=state.count + 1)
+            return updates, state._replace(count=next_count(state.count))
         devices = _devices(axis_name)
         held = layout_lib.resolve(layout)
         if error_feedback:
@@ -374,7 +376,9 @@ def sparsifier(
             if error_feedback:
                 residual = _stored(state.residual, parts, left, float_at)
         last = _metrics(ratio, done, n * devices)
-        new_state = CompressState(residual, state.count + 1, last, rule.observe(state.rule, last))
+        new_state = CompressState(
+            residual, next_count(state.count), last, rule.observe(state.rule, last)
+        )
         return jax.tree.unflatten(treedef, out), new_state
 
     compressed = optax.GradientTransformationExtraArgs(init, update)
