@@ -120,10 +120,10 @@ def test_the_step_count_saturates_rather_than_wrap_back_into_warmup(rng):
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (-1, ValueError, "warmup_steps must be an integer >= 0, got -1"),
-        (1.5, TypeError, "warmup_steps must be an integer >= 0, got 1.5"),
-        (True, TypeError, "warmup_steps must be an integer >= 0, got True"),
-        ("10", TypeError, "warmup_steps must be an integer >= 0, got '10'"),
+        (-1, ValueError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got -1"),
+        (1.5, TypeError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got 1.5"),
+        (True, TypeError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got True"),
+        ("10", TypeError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got '10'"),
     ],
 )
 def test_a_bad_warmup_is_refused_at_construction(name, value, error, message):

@@ -221,13 +221,22 @@ def static(name: str, value):
     return value
 
 
+def _shown(bound) -> str | None:
+    """A bound as the error shows it: ``2**31 - 1`` for 2147483647, ``0.5`` for 0.5."""
+    if isinstance(bound, int) and bound > 2**16 and (bound + 1) & bound == 0:
+        return f"2**{bound.bit_length()} - 1"
+    return bound if bound is None or isinstance(bound, int) else f"{bound:g}"
+
+
 def _bounds(low, high, open_low: bool, open_high: bool) -> str:
-    """The allowed range in words: ``"in (0, 1]"``, ``">= 1"`` or ``""`` (any)."""
-    low, high = (b if b is None or isinstance(b, int) else f"{b:g}" for b in (low, high))
+    """The allowed range in words: ``"in (0, 1]"``, ``">= 1"``, ``"<= 9"`` or ``""`` (any)."""
+    low, high = _shown(low), _shown(high)
     if low is not None and high is not None:
         return f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
     if low is not None:
         return f"{'>' if open_low else '>='} {low}"
+    if high is not None:
+        return f"{'<' if open_high else '<='} {high}"
     return ""
 
 
@@ -300,9 +309,14 @@ def check_number(
 
 
 def check_integer(
-    name: str, value, low: int | None = None, high: int | None = None, context: str = ""
+    name: str, value, low: int | None = None, high: int | None = INT32_MAX, context: str = ""
 ):
     """``value`` as a Python ``int`` in ``[low, high]``, or a traced integer unchanged.
+
+    ``high`` defaults to ``2**31 - 1``: counts, periods and sizes meet int32
+    arrays on device (a step count, a shape), where a larger one would fail
+    at the first update with JAX's ``OverflowError`` naming no argument.
+    ``high=None`` leaves the value unbounded (one that never reaches a device).
 
     Raises:
       TypeError: unless ``value`` is an integer scalar (never a bool).

@@ -274,7 +274,7 @@ def sparsifier(
         the gradient (exactly :func:`sidco_jax.dense`'s update), with the
         residual and the rule's state untouched and the metrics reporting
         the dense bytes; compression starts at step ``warmup_steps``. An int
-        >= 0 (default 0: compress from the first step).
+        in ``[0, 2**31 - 1]`` (default 0: compress from the first step).
       layout: how the loop holds the gradient and the residual: ``"tree"``
         (leaf by leaf, small leaves packed together: fastest on XLA:CPU),
         ``"buckets"`` (packed into a few flat buckets: the kernels launched
