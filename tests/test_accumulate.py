@@ -141,11 +141,11 @@ def test_nothing_is_lost_through_accumulation(rng):
 @pytest.mark.parametrize(
     ("every_k", "error", "message"),
     [
-        (0, ValueError, "every_k must be an integer >= 1, got 0"),
-        (-2, ValueError, "every_k must be an integer >= 1, got -2"),
-        (2.0, TypeError, "every_k must be an integer >= 1, got 2.0"),
-        (True, TypeError, "every_k must be an integer >= 1, got True"),
-        (None, TypeError, "every_k must be an integer >= 1, got None"),
+        (0, ValueError, "every_k must be an integer in [1, 2**31 - 1], got 0"),
+        (-2, ValueError, "every_k must be an integer in [1, 2**31 - 1], got -2"),
+        (2.0, TypeError, "every_k must be an integer in [1, 2**31 - 1], got 2.0"),
+        (True, TypeError, "every_k must be an integer in [1, 2**31 - 1], got True"),
+        (None, TypeError, "every_k must be an integer in [1, 2**31 - 1], got None"),
     ],
 )
 def test_a_bad_every_k_is_refused(every_k, error, message):

@@ -21,7 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, DEVICES, mesh_of, per_device_step
+from harness import (
+    AXIS,
+    DEVICES,
+    SHAPES,
+    flat_residual,
+    gradient_stream,
+    mesh_of,
+    per_device_step,
+    run_shard_map,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -124,7 +133,7 @@ def assert_finite_tree(tree, what):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         leaf = np.asarray(leaf)
         if np.issubdtype(leaf.dtype, np.inexact) or leaf.dtype == jnp.bfloat16:
-            assert np.all(np.isfinite(leaf.astype(np.complex64))), (
+            assert np.all(np.isfinite(leaf.astype(np.complex128))), (
                 f"{what}{jax.tree_util.keystr(path)}"
             )
 
@@ -184,8 +193,14 @@ def as_tree(state, params):
 def poisoned_state(state, params, name):
     """``state`` with :func:`poison` written into leaf ``name`` of its residual, in its layout."""
     tree = poison(as_tree(state, params).residual, name)
-    if isinstance(state.residual, Buckets):
-        return state._replace(residual=layout_lib.convert(tree, params, "buckets"))
+    if isinstance(state.residual, Buckets):  # cut into the state's own buckets (one per leaf too)
+        buckets = state.residual.buckets
+        cut = layout_lib.regroup(jax.tree.leaves(tree), [b.shape for b in buckets], 1)
+        return state._replace(
+            residual=Buckets(
+                tuple(jnp.asarray(x, b.dtype) for x, b in zip(cut, buckets, strict=True))
+            )
+        )
     return state._replace(residual=tree)
 
 
@@ -211,6 +226,53 @@ def test_every_compressor_survives_every_hostile_input(name, granularity, layout
         check_step(scenario, g, as_tree(state, base), sent, as_tree(after, base), skipped)
         state = after
     assert int(state.count) == len(SCENARIOS)
+
+
+# Ratio 1 asks for every entry: each compressor, at both granularities and in
+# both layouts, must then be the dense mean, leaving nothing in the residual.
+RATIO_ONE_CASES = [
+    (n, g, layout)
+    for n in sidco.COMPRESSORS
+    for g in (("model",) if n == "dense" else sidco.GRANULARITIES)
+    for layout in ("tree", "buckets")
+]
+
+
+@pytest.mark.parametrize(("name", "granularity", "layout"), RATIO_ONE_CASES)
+def test_every_compressor_at_ratio_one_is_the_dense_mean(name, granularity, layout, rng):
+    options = {} if name == "dense" else {"granularity": granularity}
+    tx, dense = sidco.compressor(name, 1.0, layout=layout, **options), sidco.dense()
+    base = base_gradient(rng)
+    state, dense_state = tx.init(base), dense.init(base)
+    update, reference = jax.jit(tx.update), jax.jit(dense.update)
+    for scenario, make, poisoned, _ in SCENARIOS:
+        g = make(base)
+        if poisoned and state.residual is not None:
+            state = poisoned_state(state, base, poisoned)
+        sent, state = update(g, state)
+        want, dense_state = reference(g, dense_state)
+        for k in LEAVES:  # denormals: dense passes them on, the loop's g + r flushes them
+            got, dense_sent = (flush(x[k]) if k in FLOATS else x[k] for x in (sent, want))
+            assert sent[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got, dense_sent, err_msg=f"{scenario}: {k}")
+        if state.residual is not None:
+            for k in FLOATS:
+                left = np.asarray(as_tree(state, base).residual[k])
+                assert not np.any(left), f"{scenario}: {k} kept {np.count_nonzero(left)} entries"
+
+
+@pytest.mark.parametrize("name", sidco.COMPRESSORS)
+def test_every_compressor_at_ratio_one_is_the_mean_over_8_devices(name, rng):
+    # Multiples of 1/64 below 4: sums of 8 are exact, so the mean is NumPy's to the bit.
+    options = {} if name in ("dense", "randomk") else {"communication": "sparse"}
+    stream = gradient_stream(rng, 2)
+    updates, states, _ = run_shard_map(
+        sidco.compressor(name, 1.0, axis_name=AXIS, **options), stream
+    )
+    for update, state, grads in zip(updates, states, stream, strict=True):
+        for k in SHAPES:
+            np.testing.assert_array_equal(update[k], grads[k].mean(0), err_msg=k)
+        assert state.residual is None or not np.any(flat_residual(state))
 
 
 def per_device(make, rng):
@@ -312,4 +374,31 @@ def test_float64_leaves_under_x64_lose_nothing(name, layout, rng):
                 else:
                     owed = g[k] + np.asarray(before.residual[k])
                     np.testing.assert_array_equal(s + np.asarray(now.residual[k]), owed)
+            state = after
+
+
+@pytest.mark.parametrize("name", sidco.COMPRESSORS)
+def test_float64_beyond_float32s_range_saturates_and_the_residual_keeps_the_rest(name, rng):
+    # The message is float32: 1e300 is sent as float32's largest value, the rest stays.
+    top = float(np.finfo(np.float32).max)
+    big = np.resize([1e300, -1e300], 10)  # a whole stratum of random-k's, which draws one
+    with jax.enable_x64(True):
+        g = {"f64": rng.normal(size=40), "f32": rng.normal(size=30).astype(np.float32)}
+        g["f64"][:10] = big
+        tx = sidco.compressor(name, 0.1)
+        state = tx.init(g)
+        update = jax.jit(tx.update)
+        for _ in range(3):
+            sent, after = update(g, state)
+            assert_finite_tree(sent, "update")
+            assert_finite_tree(after, "state")
+            assert not bool(after.last.nonfinite)
+            s = np.asarray(sent["f64"])
+            if state.residual is None:  # dense: no float32 message, the float64 mean
+                np.testing.assert_array_equal(s, g["f64"])
+            else:
+                owed = g["f64"] + np.asarray(state.residual["f64"])
+                np.testing.assert_array_equal(np.asarray(after.residual["f64"]), owed - s)
+                saturated = s[:10] == np.sign(big) * top
+                assert np.all(saturated | (s[:10] == 0)) and np.any(saturated), s[:10]
             state = after

@@ -59,6 +59,24 @@ def test_densify_accumulates_duplicates_and_drops_padding():
     np.testing.assert_array_equal(sidco.densify(stacked, 4), [3.0, 5.0, 3.0, 0.0])
 
 
+def test_densify_refuses_a_size_that_would_drop_sent_entries():
+    x = jnp.arange(10.0)
+    p = sidco.sparsify(x, 4.5, capacity=6)  # entries 5 to 9, then one padding slot
+    stacked = jax.tree.map(lambda *t: jnp.stack(t), sidco.sparsify(x[:8], 6.5, 6), p)
+    for payload in (p, stacked):
+        with pytest.raises(ValueError, match=r"size 6 .*entry 9 .*at least 10"):
+            sidco.densify(payload, 6)
+    np.testing.assert_array_equal(sidco.densify(p, 10), np.where(x > 4.5, x, 0))
+    # The padding index (the size sparsify saw) is no entry: a larger size is fine.
+    np.testing.assert_array_equal(sidco.densify(p, 12)[:10], np.where(x > 4.5, x, 0))
+    # Under jit the indices are not known: densify cannot check them there.
+    np.testing.assert_array_equal(
+        jax.jit(sidco.densify, static_argnums=1)(p, 10), sidco.densify(p, 10)
+    )
+    with pytest.raises(ValueError, match=r"size must be an integer in \[0, 2\*\*31 - 1\], got -1"):
+        sidco.densify(p, -1)
+
+
 def test_nan_entries_are_never_selected_and_negative_threshold_selects_all():
     x = jnp.array([jnp.nan, 2.0, 0.0, -1.0, 0.0])
     p = sidco.sparsify(x, 1.0, capacity=4)

@@ -234,6 +234,32 @@ def test_half_precision_inputs(rng):
         assert achieved(x, eta, 0.01) == pytest.approx(1.0, abs=0.1)
 
 
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+def test_a_power_of_two_scales_the_threshold_exactly(rng, estimator):
+    # Statistics of x over a power of two near its mean magnitude: the threshold of
+    # x * 2**e is that of x times 2**e, bit for bit.
+    x = rng.laplace(size=50_000).astype(np.float32)
+    want = float(sidco.threshold(x, 0.01, estimator=estimator, stages=2))
+    for e in (-60, -20, 40):
+        eta = sidco.threshold(x * np.float32(2.0**e), 0.01, estimator=estimator, stages=2)
+        assert float(eta) == want * 2.0**e, e
+
+
+@pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
+def test_float64_magnitudes_outside_float32s_range_get_their_threshold(rng, estimator):
+    # 1e-200 or 1e300 cast to float32 is 0 or inf: the float64 threshold of x * 2**e
+    # is that of x times 2**e, and selects the same entries.
+    x = rng.laplace(size=50_000).astype(np.float32)
+    want = float(sidco.threshold(x, 0.01, estimator=estimator, stages=2))
+    with jax.enable_x64(True):
+        for e in (-664, 996):
+            wide = x.astype(np.float64) * 2.0**e
+            eta = sidco.threshold(wide, 0.01, estimator=estimator, stages=2)
+            assert eta.dtype == np.float64 and float(eta) == want * 2.0**e, e
+            p = sidco.sparsify(wide, eta, sidco.capacity(x.size, 0.02))
+            assert int(p.selected) == np.count_nonzero(np.abs(x) > want), e
+
+
 def test_bad_arguments():
     x = jnp.ones(10)
     with pytest.raises(ValueError, match="estimator must be one of"):

@@ -123,7 +123,7 @@ def test_zero_gradients_give_zero_updates():
         ({"ratio": 0.01, "capacity_factor": 0.5}, "capacity_factor must be >= 1, got 0.5"),
         ({"ratio": 0.01, "granularity": "layer"}, "granularity must be one of"),
         ({"ratio": 0.01, "adaptation": "pid"}, "adaptation must be None or one of"),
-        ({"ratio": 0.01, "period": 0}, "period must be an integer >= 1"),
+        ({"ratio": 0.01, "period": 0}, r"period must be an integer in \[1, 2\*\*31 - 1\], got 0"),
         ({"ratio": 0.01, "band": 1.5}, r"band must be in \(0, 1\)"),
     ],
 )

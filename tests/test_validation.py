@@ -35,6 +35,10 @@ def bad(call, *args, error, name, value, **kwargs):
     return pytest.param(functools.partial(call, *args, **kwargs), error, pattern, id=case_id)
 
 
+def accumulate_dense(every_k):
+    return sidco.accumulate(sidco.dense(), every_k)
+
+
 CASES = [
     # ratio: strings, lists, bools, complex and arrays are not numbers; NaN is out of range.
     bad(sidco.compress, "0.01", error=TypeError, name="ratio", value="'0.01'"),
@@ -97,6 +101,13 @@ CASES = [
     bad(sidco.topk, 0.1, granularity=None, error=ValueError, name="granularity", value="None"),
     bad(sidco.gaussiank, 0.1, communication=None, error=ValueError, name="communication",
         value="None"),
+    # Step counts are int32 on device: 2**31 and beyond are refused when given.
+    bad(sidco.compress, 0.1, warmup_steps=2**31, error=ValueError, name="warmup_steps",
+        value="2147483648"),
+    bad(sidco.topk, 0.1, warmup_steps=2**64, error=ValueError, name="warmup_steps",
+        value=str(2**64)),
+    bad(sidco.compress, 0.1, period=2**31, error=ValueError, name="period", value="2147483648"),
+    bad(accumulate_dense, 2**31, error=ValueError, name="every_k", value="2147483648"),
     # The registry.
     bad(sidco.compressor, "nope", 0.1, error=ValueError, name="compressor", value="'nope'"),
     # The functional API: threshold, sparsify, capacity, max_stages.
@@ -137,6 +148,24 @@ def test_compressor_refuses_unknown_options_listing_the_known(name, options, unk
     pattern = rf"{re.escape(repr(name))} .*unknown option.*'{unknown}'.*allowed: \('"
     with pytest.raises(TypeError, match=pattern):
         sidco.compressor(name, 0.1, **options)
+
+
+@pytest.mark.parametrize(
+    ("build", "name", "low"),
+    [
+        (lambda n: sidco.compress(0.1, warmup_steps=n), "warmup_steps", 0),
+        (lambda n: sidco.compress(0.1, period=n), "period", 1),
+        (accumulate_dense, "every_k", 1),
+    ],
+)
+def test_step_counts_name_their_int32_range(build, name, low):
+    allowed = f"{name} must be an integer in [{low}, 2**31 - 1], got"
+    for n in (2**31, low - 1):
+        with pytest.raises(ValueError, match=re.escape(f"{allowed} {n}")):
+            build(n)
+    tx = build(2**31 - 1)  # the largest runs
+    updates, _ = tx.update(X, tx.init(X), X)
+    assert updates.shape == X.shape
 
 
 def test_enough_distinct_bad_inputs():

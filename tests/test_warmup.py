@@ -100,14 +100,30 @@ def test_warmup_compiles_one_step_for_every_count(rng):
     assert len(traces) == 1
 
 
+def test_the_step_count_saturates_rather_than_wrap_back_into_warmup(rng):
+    g = {"w": jnp.asarray(rng.normal(size=100), jnp.float32), "n": jnp.int32(1)}
+    last = 2**31 - 1
+    for tx, grads, sent in (
+        (sidco.topk(0.1, warmup_steps=WARMUP), g, 10),  # compressed, not the dense warm-up
+        (sidco.topk(0.1), {"n": g["n"]}, None),  # no floating-point leaf: counted all the same
+    ):
+        state = tx.init(grads)._replace(count=jnp.int32(last - 1))
+        update = jax.jit(tx.update)
+        for _ in range(3):
+            out, state = update(grads, state)
+            assert int(state.count) == last
+            if sent is not None:
+                assert int(jnp.count_nonzero(out["w"])) == sent
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (-1, ValueError, "warmup_steps must be an integer >= 0, got -1"),
-        (1.5, TypeError, "warmup_steps must be an integer >= 0, got 1.5"),
-        (True, TypeError, "warmup_steps must be an integer >= 0, got True"),
-        ("10", TypeError, "warmup_steps must be an integer >= 0, got '10'"),
+        (-1, ValueError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got -1"),
+        (1.5, TypeError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got 1.5"),
+        (True, TypeError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got True"),
+        ("10", TypeError, r"warmup_steps must be an integer in \[0, 2\*\*31 - 1\], got '10'"),
     ],
 )
 def test_a_bad_warmup_is_refused_at_construction(name, value, error, message):

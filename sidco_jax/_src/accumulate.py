@@ -39,7 +39,7 @@ class AccumulateState(NamedTuple):
 
 
 def check_every_k(every_k) -> int:
-    """``every_k`` as a Python ``int >= 1``; refuses a traced one."""
+    """``every_k`` as a Python ``int`` in ``[1, 2**31 - 1]``; refuses a traced one."""
     if isinstance(every_k, jax.core.Tracer):
         raise ValueError(
             f"every_k must be a concrete integer >= 1, got a traced {every_k.dtype}"
@@ -64,7 +64,8 @@ def accumulate(
     Args:
       tx: the transformation to run once per ``every_k`` steps, typically an
         ``optax.chain`` of a compressor and an optimizer.
-      every_k: micro-steps per optimizer step, a concrete int >= 1.
+      every_k: micro-steps per optimizer step, a concrete int in
+        ``[1, 2**31 - 1]``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -74,7 +75,7 @@ def accumulate(
 
     Raises:
       TypeError: for an ``every_k`` that is not an integer (bools included).
-      ValueError: for an ``every_k`` below 1 or traced.
+      ValueError: for an ``every_k`` outside ``[1, 2**31 - 1]`` or traced.
 
     Examples:
       >>> import jax.numpy as jnp, optax, sidco_jax as sidco

@@ -29,7 +29,8 @@ ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 GRANULARITIES: tuple[str, ...] = get_args(Granularity)
 MODES: tuple[str, ...] = get_args(Communication)
 
-MAX_SIZE = 2**31 - 1  # int32 indices, with ``size`` itself as the padding index
+INT32_MAX = 2**31 - 1
+MAX_SIZE = INT32_MAX  # int32 indices, with ``size`` itself as the padding index
 VALUE_BYTES = 4  # float32 on the wire
 INDEX_BYTES = 4  # int32
 SLOT_BYTES = VALUE_BYTES + INDEX_BYTES
@@ -112,7 +113,8 @@ class CompressState(NamedTuple):
         layout a ``Buckets`` of flat vectors; None without error feedback. Per
         device: under ``jax.shard_map`` its partition spec is
         ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
-      count: int32 number of steps taken.
+      count: int32 number of steps taken, saturating at ``2**31 - 1``
+        (:func:`next_count`).
       last: :class:`CompressMetrics` of the last step.
       rule: the selection rule's own state (``optax.EmptyState()`` if none).
     """
@@ -168,6 +170,17 @@ class Rule(NamedTuple):
     observe: ObserveFn = no_observation
 
 
+def next_count(count: jax.Array) -> jax.Array:
+    """``count + 1`` for an int32 step count, saturating at ``2**31 - 1``.
+
+    Wrapped to ``-2**31``, the count would start a warm-up over again; held
+    at its largest value, it stays past every warm-up (``warmup_steps`` is at
+    most ``2**31 - 1``). The random key of a step, folded from the count,
+    repeats from then on.
+    """
+    return count + (count < INT32_MAX).astype(count.dtype)
+
+
 def cond_on_device(pred, true_fn, false_fn):
     """``lax.cond(pred, true_fn, false_fn, None)`` for a ``pred`` that may differ across devices.
 
@@ -213,13 +226,22 @@ def static(name: str, value, why: str = "sets the payload shape and must be stat
     return value
 
 
+def _shown(bound) -> str | None:
+    """A bound as the error shows it: ``2**31 - 1`` for 2147483647, ``0.5`` for 0.5."""
+    if isinstance(bound, int) and bound > 2**16 and (bound + 1) & bound == 0:
+        return f"2**{bound.bit_length()} - 1"
+    return bound if bound is None or isinstance(bound, int) else f"{bound:g}"
+
+
 def _bounds(low, high, open_low: bool, open_high: bool) -> str:
-    """The allowed range in words: ``"in (0, 1]"``, ``">= 1"`` or ``""`` (any)."""
-    low, high = (b if b is None or isinstance(b, int) else f"{b:g}" for b in (low, high))
+    """The allowed range in words: ``"in (0, 1]"``, ``">= 1"``, ``"<= 9"`` or ``""`` (any)."""
+    low, high = _shown(low), _shown(high)
     if low is not None and high is not None:
         return f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
     if low is not None:
         return f"{'>' if open_low else '>='} {low}"
+    if high is not None:
+        return f"{'<' if open_high else '<='} {high}"
     return ""
 
 
@@ -292,9 +314,14 @@ def check_number(
 
 
 def check_integer(
-    name: str, value, low: int | None = None, high: int | None = None, context: str = ""
+    name: str, value, low: int | None = None, high: int | None = INT32_MAX, context: str = ""
 ):
     """``value`` as a Python ``int`` in ``[low, high]``, or a traced integer unchanged.
+
+    ``high`` defaults to ``2**31 - 1``: counts, periods and sizes meet int32
+    arrays on device (a step count, a shape), where a larger one would fail
+    at the first update with JAX's ``OverflowError`` naming no argument.
+    ``high=None`` leaves the value unbounded (one that never reaches a device).
 
     Raises:
       TypeError: unless ``value`` is an integer scalar (never a bool).

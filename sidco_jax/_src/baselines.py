@@ -3,7 +3,8 @@
 Each is a :class:`~sidco_jax.Rule` run inside :func:`sparsifier`, so error
 feedback, granularity, non-finite handling and metrics are the same for all,
 :func:`dense` included. ``k`` is ``max(floor(n * ratio), 1)`` for a vector of
-``n`` entries.
+``n`` entries; at ``k = n`` (ratio 1) every rule sends every entry, so that it
+is the dense mean.
 """
 
 import math
@@ -30,7 +31,7 @@ from sidco_jax._src.base import (
 from sidco_jax._src.base import k_of as _k
 from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.options import LoopOptions, takes_loop_options
-from sidco_jax._src.selection import everything
+from sidco_jax._src.selection import every_entry, everything
 
 
 @takes_loop_options
@@ -106,6 +107,8 @@ def dgc(
         del abs_sums, state
         n = passes.size(vectors)
         k = _k(n, ratio)
+        if k >= n:  # the sample's k-th magnitude would keep entries at or below it
+            return every_entry(vectors)
         cap = min(math.ceil(4 * k / 3), n)
         # A stratified sample over the whole index space: the same entries in every layout.
         size = min(max(math.ceil(sample_ratio * n), 1), n)
@@ -163,6 +166,8 @@ def redsync(
         del state, key
         n = passes.size(vectors)
         k = _k(n, ratio)
+        if k >= n:  # no window above k: the bisection would end at the mean
+            return every_entry(vectors)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
         total = jnp.sum(abs_sums)
         (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v) + z], after=total, op=jnp.max)
@@ -231,6 +236,8 @@ def gaussiank(
         del state, key
         n = passes.size(vectors)
         k = _k(n, ratio)
+        if k >= n:  # the quantile at ratio 1 is |mean|, which entries below it do not pass
+            return every_entry(vectors)
         cap = payload_lib.capacity(n, ratio, capacity_factor)
         # In units of a power of two near the mean magnitude: squares of
         # 1e20-scale entries would overflow float32.

@@ -56,14 +56,20 @@ class GParetoFit(NamedTuple):
 
 
 def unit_scale(mean: jax.Array) -> jax.Array:
-    """A power of two near ``mean`` (1 where ``mean`` is 0 or not finite).
+    """A power of two near ``mean`` (1 where ``mean`` is 0 or not finite), in its dtype.
 
     Statistics of ``x / unit_scale(mean(|x|))`` stay near 1 in float32: no
     square overflows at 1e20 nor a difference falls into denormals at 1e-20,
-    and the rescaling itself is exact.
+    and the rescaling itself is exact (``ldexp``: XLA's CPU ``exp2`` missed
+    the powers beyond ``2**±12`` by up to 4e-6). A float64 ``mean`` (under
+    x64) gets a float64 power of two, up to ``2**±996``: it brings float64
+    magnitudes that float32 cannot hold into its range.
     """
-    log2_mean = jnp.round(jnp.log2(jnp.where(mean > 0, mean, 1.0)))
-    return jnp.where(jnp.isfinite(log2_mean), jnp.exp2(jnp.clip(log2_mean, -100, 100)), 1.0)
+    mean = jnp.asarray(mean)
+    bound = jnp.finfo(mean.dtype).maxexp - 28  # 2**±100 in float32
+    exponent = jnp.round(jnp.log2(jnp.where(mean > 0, mean, 1.0)))
+    exponent = jnp.where(jnp.isfinite(exponent), jnp.clip(exponent, -bound, bound), 0)
+    return jnp.ldexp(jnp.ones((), mean.dtype), exponent.astype(jnp.int32))
 
 
 def _safe_div(num, den):

@@ -77,7 +77,7 @@ def check_layout(layout, bucket_bytes) -> int:
     check_choice("layout", layout, LAYOUTS)
     if bucket_bytes is None:
         return BUCKET_BYTES
-    return check_integer("bucket_bytes", static("bucket_bytes", bucket_bytes), 1)
+    return check_integer("bucket_bytes", static("bucket_bytes", bucket_bytes), 1, None)
 
 
 def resolve(layout: str) -> str:

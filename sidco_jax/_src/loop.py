@@ -49,6 +49,7 @@ from sidco_jax._src.base import (
     check_seed,
     empty_init,
     is_float,
+    next_count,
 )
 from sidco_jax._src.eager import compiled_when_eager
 from sidco_jax._src.layout import Buckets, Layout
@@ -231,6 +232,12 @@ def sparsifier(
     run over the floating-point entries in ``jax.tree.leaves`` order, in
     every layout.
 
+    The message is float32. Under x64 a float64 leaf keeps a float64
+    residual: its entries are sent rounded to float32, those beyond float32's
+    range as its largest finite value, and the residual keeps the rest.
+    Magnitudes below float32's smallest normal number (about 1.2e-38) cannot
+    be sent at all: they stay in the residual, exactly, and are never lost.
+
     Args:
       rule: the :class:`~sidco_jax.Rule` choosing what to send.
       ratio: target density (reported in the metrics).
@@ -239,7 +246,8 @@ def sparsifier(
         merged into one message).
       error_feedback: keep what was not sent and add it to the next gradient.
       seed: seed of the rule's randomness, in ``[0, 2**32 - 1]``; the key of
-        step ``t`` is ``fold_in(key(seed), t)``, the same on every device.
+        step ``t`` is ``fold_in(key(seed), t)``, the same on every device
+        (the step count saturates at ``2**31 - 1``, and the key with it).
         Deterministic rules ignore it.
       axis_name: mesh axis (or tuple of axes) of ``jax.shard_map`` or
         ``jax.pmap`` to average the update over; None (default) sparsifies
@@ -267,7 +275,7 @@ def sparsifier(
         the gradient (exactly :func:`sidco_jax.dense`'s update), with the
         residual and the rule's state untouched and the metrics reporting
         the dense bytes; compression starts at step ``warmup_steps``. An int
-        >= 0 (default 0: compress from the first step).
+        in ``[0, 2**31 - 1]`` (default 0: compress from the first step).
       layout: how the loop holds the gradient and the residual: ``"tree"``
         (leaf by leaf, small leaves packed together: fastest on XLA:CPU),
         ``"buckets"`` (packed into a few flat buckets: the kernels launched
@@ -327,7 +335,7 @@ def sparsifier(
         n = sum(g.size for g in grads)
         _check_size(n)
         if n == 0 and not complex_at:
-            return updates, state._replace(count=state.count + 1)
+            return updates, state._replace(count=next_count(state.count))
         devices = _devices(axis_name)
         held = layout_lib.resolve(layout)
         if error_feedback:
@@ -369,7 +377,9 @@ def sparsifier(
             if error_feedback:
                 residual = _stored(state.residual, parts, left, float_at)
         last = _metrics(ratio, done, n * devices)
-        new_state = CompressState(residual, state.count + 1, last, rule.observe(state.rule, last))
+        new_state = CompressState(
+            residual, next_count(state.count), last, rule.observe(state.rule, last)
+        )
         return jax.tree.unflatten(treedef, out), new_state
 
     compressed = optax.GradientTransformationExtraArgs(init, update)

@@ -215,7 +215,8 @@ def select_above(
     if n == 0:
         zeros = jnp.zeros((capacity,), dtype)
         return Payload(zeros, jnp.zeros((capacity,), jnp.int32), jnp.int32(0), jnp.int32(0))
-    threshold = jnp.asarray(threshold, jnp.float32)
+    threshold = jnp.asarray(threshold)  # a float64 one is compared in float64 with float64 x
+    threshold = threshold.astype(jnp.promote_types(threshold.dtype, jnp.float32))
 
     words, word_sizes, after = [], [], None
     for v in vectors:
@@ -387,7 +388,8 @@ def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
       x: a float array of any shape, or a pytree of them (a gradient tree):
         indices run over the concatenation of its leaves, each flattened
         row-major, in ``jax.tree.leaves`` order. Nothing is concatenated.
-      threshold: scalar magnitude threshold, may be traced (NaN selects nothing).
+      threshold: scalar magnitude threshold, may be traced (NaN selects nothing);
+        a float64 one (under x64) is compared in float64 with float64 leaves.
       capacity: static number of slots, an int ``>= 1``.
 
     Returns:
@@ -427,6 +429,21 @@ def scatter(values: jax.Array, indices: jax.Array, sizes: Sequence[int]) -> list
     return out
 
 
+def _check_fits(payload: Payload, size: int) -> None:
+    """Refuses a ``size`` that would drop an entry of a filled slot, where the indices are known."""
+    indices, count = payload.indices, payload.count
+    if isinstance(indices, jax.core.Tracer) or isinstance(count, jax.core.Tracer):
+        return
+    indices, count = np.asarray(indices), np.asarray(count)
+    filled = np.arange(indices.shape[-1]) < count[..., None]
+    top = int(indices[filled].max()) if filled.any() else -1
+    if top >= size:
+        raise ValueError(
+            f"densify: size {size} would drop the payload's entry {top} (and any above "
+            f"it): size must be at least {top + 1}, the size of what was sparsified"
+        )
+
+
 def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.Array:
     """Scatter-adds one or many payloads into a dense vector of ``size`` entries.
 
@@ -434,11 +451,18 @@ def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.
       payload: a :class:`Payload`, or one whose arrays carry leading axes (for
         example the payloads of all devices stacked by ``all_gather``).
         Duplicate indices accumulate; padding slots are dropped.
-      size: length of the dense vector.
+      size: length of the dense vector, an int ``>= 0``: at least the size of
+        what was sparsified.
       dtype: result dtype (default: the payload values' dtype).
 
     Returns:
       ``(size,)`` vector.
+
+    Raises:
+      ValueError: for a ``size`` below 0, traced, or below an index of a
+        filled slot (checked where the payload is concrete; under ``jit``,
+        where the indices are not known, such an entry would be dropped).
+      TypeError: for a ``size`` that is not an integer (bools refused).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -446,6 +470,8 @@ def densify(payload: Payload, size: int, dtype: DTypeLike | None = None) -> jax.
       >>> densify(p, 4)
       Array([ 0., -3.,  0.,  2.], dtype=float32)
     """
+    size = check_integer("size", static("size", size), 0)
+    _check_fits(payload, size)
     dtype = payload.values.dtype if dtype is None else dtype
     (dense,) = scatter(payload.values.astype(dtype), payload.indices, [size])
     return dense

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.base import VALUE_BYTES, Rule, Selection, cond_on_device
+from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, Rule, Selection, cond_on_device
 
 
 class Chosen(NamedTuple):
@@ -41,6 +41,23 @@ def everything(vectors, abs_sums, state, key) -> Selection:
     """The :class:`~sidco_jax.SelectFn` of no compression: every entry is sent."""
     del abs_sums, state, key
     return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
+
+
+def every_entry(vectors: Sequence[jax.Array]) -> Selection:
+    """What a rule asked for every entry sends (``k = n``: ratio 1, or a single entry).
+
+    A threshold estimated from the data (a sample's smallest magnitude, a
+    bisection, a normal quantile) leaves the entries at or below it behind:
+    at ``k = n`` a rule returns this instead, a payload of all ``n`` entries
+    in index order (zeros included), so that it sends the dense mean and
+    leaves nothing in the residual. Decided at trace time, so a rule's
+    ordinary path is untouched.
+    """
+    n = sum(v.shape[0] for v in vectors)
+    values = jnp.concatenate(vectors) if len(vectors) > 1 else vectors[0]
+    count = jnp.int32(n)
+    payload = payload_lib.Payload(values, jnp.arange(n, dtype=jnp.int32), count, count)
+    return Selection(payload, jnp.zeros((), jnp.float32), n * SLOT_BYTES)
 
 
 def fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
@@ -112,6 +129,19 @@ def _round_to_leaves(values, indices, dtypes, sizes):
     return out
 
 
+def _message(x: jax.Array) -> jax.Array:
+    """``x`` as the float32 message carries it, saturating where ``x`` is wider.
+
+    A float64 entry beyond float32's range is sent as its largest finite
+    value and the float64 residual keeps the excess (as a float16 leaf's does,
+    :func:`_round_to_leaves`): cast, it would be sent as an infinity.
+    """
+    if jnp.finfo(x.dtype).bits > 32:
+        top = float(jnp.finfo(jnp.float32).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(jnp.float32)
+
+
 def select(
     rule: Rule,
     u: Sequence[jax.Array],
@@ -143,7 +173,7 @@ def select(
         chosen = []
         for group, k in zip(groups, keys, strict=True):
             # The message is float32; a float64 leaf's residual keeps what it cannot carry.
-            vectors = [u[i].reshape(-1).astype(jnp.float32) for i in group]
+            vectors = [_message(u[i].reshape(-1)) for i in group]
             sums = abs_sums[np.asarray(group)]
             selection = rule.select(vectors, sums, rule_state, k)
             chosen.append(fill_if_starved(selection, vectors, jnp.sum(sums)))

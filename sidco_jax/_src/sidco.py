@@ -188,7 +188,8 @@ def compress(
       first_ratio: density targeted by the first of several stages, in (0, 1].
       capacity_factor: payload slots per expected entry (>= 1); entries beyond
         the capacity stay in the residual. Static.
-      period: steps per adaptation window (the paper's ``Q``), an int >= 1.
+      period: steps per adaptation window (the paper's ``Q``), an int in
+        ``[1, 2**31 - 1]``.
       band: tolerance of the adaptation around the target (the paper's 0.2),
         in (0, 1).
       **options: the loop's options (:class:`~sidco_jax.LoopOptions`):

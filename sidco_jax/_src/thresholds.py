@@ -220,7 +220,10 @@ def threshold(
     Args:
       x: array of any shape and float dtype, or a pytree of them (a gradient
         tree: one threshold over all its entries, leaves never concatenated);
-        statistics are computed in float32.
+        statistics are computed in float32. Where ``x`` holds float64 (under
+        x64) they are those of ``x`` over a power of two near its mean
+        magnitude, so that magnitudes outside float32's range (1e-200, 1e300)
+        get a threshold too (one more pass).
       ratio: target density in (0, 1], e.g. 0.001; may be traced.
       estimator: ``"exponential"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or
         ``"gamma"`` (SIDCo-GP: gamma first stage, generalized Pareto after).
@@ -231,10 +234,11 @@ def threshold(
         (0, 1]; may be traced.
 
     Returns:
-      A float32 scalar ``eta >= 0`` (select ``|x| > eta``); ``inf`` if ``x``
-      holds a non-finite value; ``0`` for an all-zero ``x`` (selects nothing);
-      NaN if a traced ``ratio`` or ``first_ratio`` lies outside (0, 1] (NaN
-      selects nothing in :func:`sparsify`: errors cannot be raised on device).
+      A float32 scalar ``eta >= 0`` (float64 where ``x`` holds float64), to
+      select ``|x| > eta``; ``inf`` if ``x`` holds a non-finite value; ``0``
+      for an all-zero ``x`` (selects nothing); NaN if a traced ``ratio`` or
+      ``first_ratio`` lies outside (0, 1] (NaN selects nothing in
+      :func:`sparsify`: errors cannot be raised on device).
 
     Raises:
       TypeError: if a leaf of ``x`` is not a floating-point array, or
@@ -256,8 +260,26 @@ def threshold(
     first_ratio = check_ratio(first_ratio, "first_ratio")
     stages = check_stages(stages, ratio)
     x = float_vectors(x, "threshold")
+    if any(jnp.finfo(v.dtype).bits > 32 for v in x):
+        return _wider_than_float32(x, ratio, estimator, stages, first_ratio)
     (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v.astype(jnp.float32)) + z])
     return from_abs_sum(x, total, ratio, estimator, stages, first_ratio)
+
+
+def _wider_than_float32(x, ratio, estimator, stages, first_ratio) -> jax.Array:
+    """:func:`threshold` of 1-D vectors some of which are float64, as a float64 scalar.
+
+    The float32 statistics are those of ``x / s``, ``s`` a power of two near
+    the mean magnitude found in float64, and the threshold is scaled back: a
+    1e-200 or 1e300 gets its threshold, where cast to float32 it would be 0 or
+    an infinity. One more pass and a float32 copy, for float64 inputs only.
+    """
+    dtype = jnp.result_type(*x)
+    total = sum(jnp.sum(jnp.abs(v.astype(dtype))) for v in x)
+    scale = fits.unit_scale(total / max(passes.size(x), 1))
+    x = [(v / scale).astype(jnp.float32) for v in x]
+    (total,) = passes.reduce_each(x, [lambda v, z: jnp.abs(v) + z])
+    return from_abs_sum(x, total, ratio, estimator, stages, first_ratio).astype(dtype) * scale
 
 
 def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
