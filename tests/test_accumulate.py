@@ -20,15 +20,17 @@ def _local(stream, device=0):
     return [jax.tree.map(lambda g: g[device], grads) for grads in stream]
 
 
-@pytest.mark.parametrize("name", quick_first(["sidco-e", "topk", "dgc", "randomk"]))
-@pytest.mark.parametrize("every_k", quick_first([3, 1]))
-def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
-    chain = optax.chain(sidco.compressor(name, 0.05), optax.sgd(0.1, momentum=0.9))
+def _compare_with_multisteps(chain, every_k, stream, compile=jax.jit):
+    """``accumulate(chain, every_k)`` and ``optax.MultiSteps`` of it, side by side on ``stream``.
+
+    Their states must agree bit for bit after every step, and their updates to the
+    rounding of the optimizer's own multiply-add (below). Returns our last state.
+    """
     ours, theirs = sidco.accumulate(chain, every_k), optax.MultiSteps(chain, every_k)
     params = params_tree()
     state, ref = ours.init(params), theirs.init(params)
-    step, ref_step = jax.jit(ours.update), jax.jit(theirs.update)
-    for grads in _local(gradient_stream(rng, 3 * every_k + 1)):
+    step, ref_step = compile(ours.update), compile(theirs.update)
+    for grads in stream:
         trace = jax.tree.leaves(ref.inner_opt_state[1][0].trace)  # momentum before the step
         updates, state = step(grads, state, params)
         ref_updates, ref = ref_step(grads, ref, params)
@@ -47,7 +49,32 @@ def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
             bound = 0.1 * 0.9 * eps * np.abs(np.asarray(t)) + 2 * np.spacing(np.abs(ref_leaf))
             assert np.all(np.abs(ours_leaf - ref_leaf) <= bound)
         params = optax.apply_updates(params, updates)
+    return state
+
+
+@pytest.mark.parametrize("name", quick_first(["sidco-e", "topk", "dgc", "randomk"]))
+@pytest.mark.parametrize("every_k", quick_first([3, 1]))
+def test_equals_multisteps_of_the_same_chain(rng, name, every_k):
+    chain = optax.chain(sidco.compressor(name, 0.05), optax.sgd(0.1, momentum=0.9))
+    state = _compare_with_multisteps(chain, every_k, _local(gradient_stream(rng, 3 * every_k + 1)))
     assert int(sidco.metrics(state)["step"]) == (3 * every_k + 1) // every_k
+
+
+def un_jitted_against_multisteps(seed: int = 1234):
+    """``accumulate`` and ``optax.MultiSteps`` of top-k and momentum, un-jitted, side by side.
+
+    The boundary divides by 3, which no float32 multiply-add rounds exactly.
+    ``tests/test_default_codegen.py`` runs this under XLA's default code
+    generation too: under the suite's flags XLA does not fuse that multiply-add.
+    """
+    chain = optax.chain(sidco.topk(0.05), optax.sgd(0.1, momentum=0.9))
+    stream = _local(gradient_stream(np.random.default_rng(seed), 6))
+    state = _compare_with_multisteps(chain, 3, stream, compile=lambda f: f)
+    assert int(sidco.metrics(state)["step"]) == 2
+
+
+def test_un_jitted_equals_multisteps_un_jitted():
+    un_jitted_against_multisteps()
 
 
 def test_under_shard_map_the_boundary_compresses_the_mean_of_each_devices_micro_steps(rng):
