@@ -27,8 +27,9 @@ class AccumulateState(NamedTuple):
         (the same on every device).
       accumulator: float32 running mean of those micro-steps' gradients, a
         tree like the parameters. Per device, like the error-feedback residual:
-        under ``jax.shard_map`` its partition spec is ``P(axis_name)`` (see
-        :func:`sidco_jax.state_specs`).
+        under ``jax.shard_map`` its partition spec is ``P(axis_name)``, or with
+        a hierarchical compressor, whose node mean comes after it,
+        ``P((axis_name, inner_axis))`` (see :func:`sidco_jax.state_specs`).
       inner: the wrapped transformation's state.
     """
 
