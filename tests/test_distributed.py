@@ -245,6 +245,30 @@ def _train_step(tx, mesh, n):
     return step.lower(params, state, x).compile()
 
 
+@pytest.mark.parametrize("given", ["numpy", "default device", "replicated"])
+def test_data_parallel_step_takes_a_batch_however_it_is_placed(rng, given):
+    # Defect: a NumPy batch was refused with shard_map's in_specs message, naming nothing.
+    mesh = mesh_of()
+    tx = optax.chain(sidco.compress(0.1, axis_name=AXIS), optax.sgd(0.1))
+    params = sidco.place(np.zeros(64, np.float32), mesh)
+    state = sidco.shard_init(tx, params, mesh, AXIS)
+
+    def loss(w, batch):
+        return jnp.mean((batch["x"] @ w - 1.0) ** 2)
+
+    step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS)
+    x = rng.normal(size=(2 * DEVICES, 64)).astype(np.float32)
+    want = step(params, state, {"x": sidco.place(x, mesh, P(AXIS))})
+    placed = {
+        "numpy": lambda: x,
+        "default device": lambda: jnp.asarray(x),  # uncommitted (committed: jit refuses)
+        "replicated": lambda: sidco.place(x, mesh),
+    }
+    got = step(params, state, {"x": placed[given]()})
+    chex.assert_trees_all_equal(got, want)  # parameters, state (residuals included), loss
+    assert np.any(np.asarray(got[0]))
+
+
 @pytest.mark.parametrize("ratio", [0.001, 0.01])
 def test_compiled_step_communicates_the_payload_not_the_gradient(ratio):
     n = 2**16

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sidco_jax._src.accumulate import AccumulateState
@@ -179,6 +179,30 @@ def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -
             )
 
 
+def _split(batch: Any, mesh: Mesh, axis_name: AxisName) -> Any:
+    """``batch`` split along ``axis_name`` in the step, however it was given.
+
+    Over Explicit mesh axes (``jax.make_mesh``'s default) ``shard_map`` takes
+    only inputs whose type says they are split so: a host (NumPy) array, or
+    one placed otherwise, is resharded here (a batch from :func:`place` is
+    left as it is). Over Auto axes ``shard_map`` reshards by itself.
+    """
+    devices = _devices_along(mesh, axis_name)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] % devices:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} must have a leading axis that splits evenly "
+                f"over the {devices} devices along {axis_name!r}, got shape {shape}"
+            )
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[name] != AxisType.Explicit for name in names):
+        return batch
+    sharding = NamedSharding(mesh, P(axis_name))
+    return jax.tree.map(lambda leaf: jax.reshard(leaf, sharding), batch)
+
+
 def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
     """Host arrays as global arrays on ``mesh`` with partition ``spec``.
 
@@ -253,11 +277,16 @@ def data_parallel_step(
 
     Returns:
       ``step(params, opt_state, batch) -> (params, opt_state, loss)``, with
-      ``loss`` the mean over devices. Its inputs must be global arrays with
-      the shardings above (see :func:`place` and :func:`shard_init`). When it
-      is traced, it raises a ``ValueError`` naming the leaf of ``opt_state``
-      whose per-device leaves are not split over the axes above (a state made
-      with other axes, or with ``tx.init`` on one device).
+      ``loss`` the mean over devices. ``params`` and ``opt_state`` are global
+      arrays with the shardings above (see :func:`place` and
+      :func:`shard_init`). ``batch`` is best placed with :func:`place`, which
+      copies each device its own rows; host (NumPy) arrays, and arrays placed
+      otherwise, are split in the step, each device first receiving the whole
+      batch. When it is traced, the step raises a ``ValueError`` naming a
+      leaf of ``batch`` whose leading axis does not split evenly over the
+      devices, or a leaf of ``opt_state`` whose per-device leaves are not split
+      over the axes above (a state made with other axes, or with ``tx.init``
+      on one device).
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, sidco_jax as sidco
@@ -292,6 +321,6 @@ def data_parallel_step(
 
     def checked(params, opt_state, batch):
         _check_state(opt_state, jax.eval_shape(tx.init, params), mesh, axes)
-        return sharded(params, opt_state, batch)
+        return sharded(params, opt_state, _split(batch, mesh, axis_name))
 
     return jax.jit(checked, donate_argnums=(1,) if donate_state else ())
