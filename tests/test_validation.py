@@ -227,3 +227,17 @@ def test_traced_stages_are_clipped_to_the_ceiling():
     assert float(by_stages(x, jnp.int32(10**6))) == pytest.approx(want)
     assert float(by_ratio(x, 0.01)) == pytest.approx(want)
     assert float(by_stages(x, jnp.int32(-3))) == pytest.approx(float(sidco.threshold(x, 0.01)))
+
+
+def test_data_parallel_step_names_a_batch_leaf_that_does_not_split_over_the_devices():
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = optax.chain(sidco.compress(0.1, axis_name="data"), optax.sgd(0.1))
+    params = sidco.place(np.zeros(3, np.float32), mesh)
+    state = sidco.shard_init(tx, params, mesh, "data")
+    step = sidco.data_parallel_step(lambda w, b: jnp.sum(b["x"] @ w), tx, state, mesh, "data")
+    message = (
+        "batch['x'] must have a leading axis that splits evenly over the 8 devices along "
+        "'data', got shape (12, 3)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        step(params, state, {"x": np.ones((12, 3), np.float32)})

@@ -28,8 +28,9 @@ class AccumulateState(NamedTuple):
         (the same on every device).
       accumulator: float32 running mean of those micro-steps' gradients, a
         tree like the parameters. Per device, like the error-feedback residual:
-        under ``jax.shard_map`` its partition spec is ``P(axis_name)`` (see
-        :func:`sidco_jax.state_specs`).
+        under ``jax.shard_map`` its partition spec is ``P(axis_name)``, or with
+        a hierarchical compressor, whose node mean comes after it,
+        ``P((axis_name, inner_axis))`` (see :func:`sidco_jax.state_specs`).
       inner: the wrapped transformation's state.
     """
 
@@ -54,12 +55,16 @@ def accumulate(
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates ``every_k`` micro-steps' gradients, then runs ``tx`` once on their mean.
 
-    Equal to ``optax.MultiSteps(tx, every_k)`` (the same updates and the same
-    inner state, residuals included), but a micro-step only adds its gradient
-    to a local float32 accumulator: no selection and no collective. The
-    ``every_k``-th step runs ``tx.update`` on the mean, under a ``lax.cond``
-    whose predicate (the micro-step count) is identical on every device, and
-    returns its update; the other steps return zeros.
+    The arithmetic of ``optax.MultiSteps(tx, every_k)``: its running mean
+    ``acc + (g - acc) / (i + 1)``, then ``tx``, compiled together in one
+    ``lax.cond`` branch even when the update is not jitted. The inner state,
+    residuals included, comes out bit for bit the same in the tests; an update
+    may differ in its last bit or two, where XLA fuses the optimizer's
+    multiply-add in one program and not in the other. But a micro-step only
+    adds its gradient to a local float32 accumulator: no selection and no
+    collective. The ``every_k``-th step runs ``tx.update`` on the mean, under a
+    ``lax.cond`` whose predicate (the micro-step count) is identical on every
+    device, and returns its update; the other steps return zeros.
 
     Args:
       tx: the transformation to run once per ``every_k`` steps, typically an
@@ -97,21 +102,27 @@ def accumulate(
         return AccumulateState(jnp.zeros((), jnp.int32), accumulator, tx.init(params))
 
     def update(updates, state, params=None, **extra_args):
-        # optax.MultiSteps' running mean, to the bit: acc + (g - acc) / (i + 1).
-        mean = jax.tree.map(
-            lambda g, a: a + (g - a) / (state.mini_step + 1), updates, state.accumulator
-        )
-        boundary = state.mini_step == every_k - 1
+        def running_mean():
+            # optax.MultiSteps' running mean, acc + (g - acc) / (i + 1), inside the cond's
+            # branches as MultiSteps has it: compiled even when the update is not, where
+            # XLA fuses it into one multiply-add (op by op it was rounded twice).
+            i = state.mini_step
+            return jax.tree.map(lambda g, a: a + (g - a) / (i + 1), updates, state.accumulator)
 
         def step(_):
-            return tx.update(optax.tree.cast_like(mean, updates), state.inner, params, **extra_args)
+            mean = running_mean()
+            out, inner = tx.update(
+                optax.tree.cast_like(mean, updates), state.inner, params, **extra_args
+            )
+            return out, inner, jax.tree.map(jnp.zeros_like, mean)
 
         def hold(_):
             shapes = jax.eval_shape(step, None)[0]
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return zeros, state.inner, running_mean()
 
-        out, inner = lax.cond(boundary, step, hold, None)
-        accumulator = jax.tree.map(lambda a: jnp.where(boundary, jnp.zeros_like(a), a), mean)
+        boundary = state.mini_step == every_k - 1
+        out, inner, accumulator = lax.cond(boundary, step, hold, None)
         return out, AccumulateState((state.mini_step + 1) % every_k, accumulator, inner)
 
     return compiled_when_eager(optax.GradientTransformationExtraArgs(init, update))

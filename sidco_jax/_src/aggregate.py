@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import costs, sparse_allreduce
+from sidco_jax._src import collectives, costs, sparse_allreduce
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import INDEX_BYTES, VALUE_BYTES, AxisName
 
@@ -85,8 +85,7 @@ def mean_of(
     elif mode == "dense":
         return lax.psum(payload_lib.scatter(values, indices, sizes), axis_name)
     else:
-        values = lax.all_gather(values, axis_name, to="invarying")
-        indices = lax.all_gather(indices, axis_name, to="invarying")
+        values, indices = collectives.all_gather((values, indices), axis_name)
     # scatter adds into jnp.zeros: a target built with zeros_like from a
     # varying value would make the mean varying too.
     return payload_lib.scatter(values, indices, sizes)

@@ -9,13 +9,15 @@ leaf of shape ``(m, ...)`` becomes ``(d * m, ...)`` sharded along the axis,
 device ``i`` holding rows ``[i * m, (i + 1) * m)``.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sidco_jax._src.accumulate import AccumulateState
@@ -24,6 +26,27 @@ from sidco_jax._src.base import AxisName, CompressState
 
 def _is_state(node) -> bool:
     return isinstance(node, CompressState | AccumulateState)
+
+
+_REPLICATED, _RESIDUAL, _ACCUMULATOR = "replicated", "residual", "accumulator"
+
+
+def _kinds(opt_state: optax.OptState) -> Any:
+    """A tree like ``opt_state`` with the kind of every leaf: replicated, residual, accumulator."""
+
+    def kind(node):
+        if isinstance(node, CompressState):
+            kinds = jax.tree.map(lambda _: _REPLICATED, node)
+            return kinds._replace(residual=jax.tree.map(lambda _: _RESIDUAL, node.residual))
+        if isinstance(node, AccumulateState):
+            return AccumulateState(
+                kind(node.mini_step),
+                jax.tree.map(lambda _: _ACCUMULATOR, node.accumulator),
+                jax.tree.map(kind, node.inner, is_leaf=_is_state),
+            )
+        return jax.tree.map(lambda _: _REPLICATED, node)
+
+    return jax.tree.map(kind, opt_state, is_leaf=_is_state)
 
 
 def is_residual(opt_state: optax.OptState) -> Any:
@@ -40,33 +63,30 @@ def is_residual(opt_state: optax.OptState) -> Any:
     Returns:
       The same tree structure with booleans as leaves.
     """
-
-    def mark(node):
-        if isinstance(node, CompressState):
-            marks = jax.tree.map(lambda _: False, node)
-            return marks._replace(residual=jax.tree.map(lambda _: True, node.residual))
-        if isinstance(node, AccumulateState):  # its accumulator is per device too
-            return AccumulateState(
-                mark(node.mini_step),
-                jax.tree.map(lambda _: True, node.accumulator),
-                jax.tree.map(mark, node.inner, is_leaf=_is_state),
-            )
-        return jax.tree.map(lambda _: False, node)
-
-    return jax.tree.map(mark, opt_state, is_leaf=_is_state)
+    return jax.tree.map(lambda kind: kind != _REPLICATED, _kinds(opt_state))
 
 
-def state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
+def state_specs(
+    opt_state: optax.OptState, axis_name: AxisName, *, accumulator_axis: AxisName | None = None
+) -> Any:
     """Partition specs for a whole optax state containing sidco_jax states.
 
-    Every leaf of the residual of every :class:`~sidco_jax.CompressState`,
-    and of the accumulator of every :class:`~sidco_jax.AccumulateState`, is
-    per device (``P(axis_name)``); every other leaf is replicated (``P()``). Use the
-    result as ``in_specs``/``out_specs`` of ``jax.shard_map`` for the state.
+    Every leaf of the residual of every :class:`~sidco_jax.CompressState` is
+    per device (``P(axis_name)``), and so is every leaf of the accumulator of
+    every :class:`~sidco_jax.AccumulateState` (``P(accumulator_axis)``);
+    every other leaf is replicated (``P()``). Use the result as
+    ``in_specs``/``out_specs`` of ``jax.shard_map`` for the state.
 
     Args:
       opt_state: the state, or its ``jax.eval_shape``.
       axis_name: the mesh axis (or tuple of axes) the compressor averages over.
+      accumulator_axis: the axis (or tuple of axes) the accumulators of
+        :func:`sidco_jax.accumulate` are split over (default ``axis_name``).
+        An accumulator holds its own device's gradients, so it is split over
+        every axis they differ along: the batch's. For a hierarchical
+        compressor (``compress(r, axis_name="node", inner_axis="local")``)
+        that is ``("node", "local")``: the node's mean is taken when the
+        accumulated gradient is compressed, after the micro-steps.
 
     Returns:
       A tree of ``PartitionSpec`` with the structure of ``opt_state``.
@@ -78,12 +98,21 @@ def state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
       >>> specs[0].residual, specs[0].count
       (P('data',), P())
     """
-    return jax.tree.map(lambda residual: P(axis_name) if residual else P(), is_residual(opt_state))
+    accumulator_axis = axis_name if accumulator_axis is None else accumulator_axis
+    spec = {_REPLICATED: P(), _RESIDUAL: P(axis_name), _ACCUMULATOR: P(accumulator_axis)}
+    return jax.tree.map(spec.__getitem__, _kinds(opt_state))
 
 
-def state_shardings(opt_state: optax.OptState, mesh: Mesh, axis_name: AxisName) -> Any:
+def state_shardings(
+    opt_state: optax.OptState,
+    mesh: Mesh,
+    axis_name: AxisName,
+    *,
+    accumulator_axis: AxisName | None = None,
+) -> Any:
     """``NamedSharding`` on ``mesh`` for every leaf of ``opt_state`` (see :func:`state_specs`)."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(opt_state, axis_name))
+    specs = state_specs(opt_state, axis_name, accumulator_axis=accumulator_axis)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
 def shard_init(
@@ -92,6 +121,8 @@ def shard_init(
     mesh: Mesh,
     axis_name: AxisName,
     param_specs: Any = None,
+    *,
+    accumulator_axis: AxisName | None = None,
 ) -> optax.OptState:
     """``tx.init(params)`` on every device of ``mesh``, as global sharded arrays.
 
@@ -105,14 +136,71 @@ def shard_init(
       mesh: the device mesh.
       axis_name: the axis (or tuple of axes) the compressor averages over.
       param_specs: partition specs of ``params`` (default ``P()``: replicated).
+      accumulator_axis: the axis (or tuple of axes) the accumulators of
+        :func:`sidco_jax.accumulate` are split over (default ``axis_name``;
+        see :func:`state_specs`).
 
     Returns:
       The optimizer state.
     """
-    specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
+    abstract = jax.eval_shape(tx.init, params)
+    specs = state_specs(abstract, axis_name, accumulator_axis=accumulator_axis)
     in_specs = (P() if param_specs is None else param_specs,)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
     return jax.jit(init)(params)
+
+
+def _devices_along(mesh: Mesh, axis_name: AxisName) -> int:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -> None:
+    """Refuses a state whose per-device leaves are not split over the axes the step splits them.
+
+    ``one_device`` is ``tx.init``'s state on one device; a per-device leaf of
+    the global state stacks one such leaf per device along its axes.
+    """
+    if jax.tree.structure(opt_state) != jax.tree.structure(one_device):
+        return  # shard_map names the difference
+    given = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    kinds = jax.tree.leaves(_kinds(one_device))
+    for (path, leaf), one, kind in zip(given, jax.tree.leaves(one_device), kinds, strict=True):
+        if kind == _REPLICATED:
+            continue
+        devices = _devices_along(mesh, axes[kind])
+        want = (devices * one.shape[0], *one.shape[1:])
+        if jnp.shape(leaf) != want:
+            raise ValueError(
+                f"opt_state{jax.tree_util.keystr(path)} must have shape {want} (one {kind} per "
+                f"device, split over {axes[kind]!r}: {devices} devices), got {jnp.shape(leaf)}: "
+                f"make the state with sidco.shard_init(tx, params, mesh, {axes[_RESIDUAL]!r}, "
+                f"accumulator_axis={axes[_ACCUMULATOR]!r})"
+            )
+
+
+def _split(batch: Any, mesh: Mesh, axis_name: AxisName) -> Any:
+    """``batch`` split along ``axis_name`` in the step, however it was given.
+
+    Over Explicit mesh axes (``jax.make_mesh``'s default) ``shard_map`` takes
+    only inputs whose type says they are split so: a host (NumPy) array, or
+    one placed otherwise, is resharded here (a batch from :func:`place` is
+    left as it is). Over Auto axes ``shard_map`` reshards by itself.
+    """
+    devices = _devices_along(mesh, axis_name)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] % devices:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} must have a leading axis that splits evenly "
+                f"over the {devices} devices along {axis_name!r}, got shape {shape}"
+            )
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[name] != AxisType.Explicit for name in names):
+        return batch
+    sharding = NamedSharding(mesh, P(axis_name))
+    return jax.tree.map(lambda leaf: jax.reshard(leaf, sharding), batch)
 
 
 def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
@@ -181,13 +269,24 @@ def data_parallel_step(
         ``axis_name``). For a hierarchical compressor
         (``compress(r, axis_name="node", inner_axis="local")``) that is its
         ``axis_name``, while the batch is split over ``("node", "local")``.
+        The accumulators of :func:`sidco_jax.accumulate` are split over
+        ``axis_name``, like the batch: make the state with
+        ``shard_init(tx, params, mesh, state_axis, accumulator_axis=axis_name)``.
       donate_state: donate the optimizer state's buffers to the step (saves
         memory; the state passed in must not be used again).
 
     Returns:
       ``step(params, opt_state, batch) -> (params, opt_state, loss)``, with
-      ``loss`` the mean over devices. Its inputs must be global arrays with
-      the shardings above (see :func:`place` and :func:`shard_init`).
+      ``loss`` the mean over devices. ``params`` and ``opt_state`` are global
+      arrays with the shardings above (see :func:`place` and
+      :func:`shard_init`). ``batch`` is best placed with :func:`place`, which
+      copies each device its own rows; host (NumPy) arrays, and arrays placed
+      otherwise, are split in the step, each device first receiving the whole
+      batch. When it is traced, the step raises a ``ValueError`` naming a
+      leaf of ``batch`` whose leading axis does not split evenly over the
+      devices, or a leaf of ``opt_state`` whose per-device leaves are not split
+      over the axes above (a state made with other axes, or with ``tx.init``
+      on one device).
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, sidco_jax as sidco
@@ -203,7 +302,8 @@ def data_parallel_step(
       >>> float(value)
       1.0
     """
-    specs = state_specs(opt_state, axis_name if state_axis is None else state_axis)
+    state_axis = axis_name if state_axis is None else state_axis
+    specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name)
 
     def step(params, opt_state, batch):
         varying = jax.lax.pcast(params, axis_name, to="varying")
@@ -211,10 +311,16 @@ def data_parallel_step(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, axis_name)
 
-    step = jax.shard_map(
+    sharded = jax.shard_map(
         step,
         mesh=mesh,
         in_specs=(P(), specs, P(axis_name)),
         out_specs=(P(), specs, P()),
     )
-    return jax.jit(step, donate_argnums=(1,) if donate_state else ())
+    axes = {_RESIDUAL: state_axis, _ACCUMULATOR: axis_name}
+
+    def checked(params, opt_state, batch):
+        _check_state(opt_state, jax.eval_shape(tx.init, params), mesh, axes)
+        return sharded(params, opt_state, _split(batch, mesh, axis_name))
+
+    return jax.jit(checked, donate_argnums=(1,) if donate_state else ())

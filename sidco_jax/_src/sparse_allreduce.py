@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import costs
+from sidco_jax._src import collectives, costs
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import SLOT_BYTES, AxisName, Payload
 
@@ -143,8 +143,7 @@ def exchange(
     reduced = jnp.where(chosen.indices < region, chosen.indices + start, size)
     reduced = jnp.where(reduced < size, reduced, size).astype(jnp.int32)
     share = chosen.values / devices  # divided on the small payload
-    share = lax.all_gather(share, axis_name, to="invarying")
-    reduced = lax.all_gather(reduced, axis_name, to="invarying")
+    share, reduced = collectives.all_gather((share, reduced), axis_name)
     return Reduced(
         mean=payload_lib.scatter(share, reduced, sizes),
         kept_indices=jnp.where(keep, indices, size),

@@ -321,7 +321,8 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
     log_ds = jnp.log(ratio / first_ratio) / jnp.maximum(later, 1).astype(jnp.float32)
 
     def stage(i, eta, parts):
-        q_total = first_ratio * jnp.exp(log_ds * (i + 1).astype(jnp.float32))
+        # i is a Python int where the loop runs in Python (jax.disable_jit()).
+        q_total = first_ratio * jnp.exp(log_ds * jnp.asarray(i + 1, jnp.float32))
         return _next_stage(parts, eta, scale, q_total, estimator, n)
 
     eta = lax.fori_loop(0, later - 1, lambda i, eta: stage(i, eta, sample), eta)
