@@ -99,15 +99,25 @@ def test_restoring_on_fewer_devices_keeps_the_owed_update(tmp_path, rng, devices
     run_shard_map(tx, gradient_stream(rng, 2), devices, start=(got_params, got_state))
 
 
-def test_a_residual_of_another_model_is_refused(tmp_path, rng):
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        (False, r"\['b'\] is a per-device residual saved as \(320,\), \(40,\) per device"),
+        # Host arrays say nothing of devices: only whole numbers of them are checked.
+        (True, "320 entries is not a whole number of devices' residuals of 7 entries"),
+    ],
+)
+def test_a_residual_of_another_model_is_refused(tmp_path, rng, host, message):
     tx = optimizer()
     _, states, params = run_shard_map(tx, gradient_stream(rng, 1))
-    sidco.save(tmp_path / "ckpt", (params, states[-1]))
+    saved = (params, states[-1])
+    sidco.save(tmp_path / "ckpt", jax.device_get(saved) if host else saved)
     target = targets(params, states[-1], 8)
-    residual = dict(target[1][0].residual, b=jax.ShapeDtypeStruct((8 * 7,), np.float32))
-    bad = target[1][0]._replace(residual=residual)
+    sharding = target[1][0].residual["b"].sharding
+    b = jax.ShapeDtypeStruct((8 * 7,), np.float32, sharding=sharding)
+    bad = target[1][0]._replace(residual=dict(target[1][0].residual, b=b))
     target = (target[0], (bad, *target[1][1:]))
-    with pytest.raises(ValueError, match="not a whole number of devices' residuals"):
+    with pytest.raises(ValueError, match=message):
         sidco.restore(tmp_path / "ckpt", target)
 
 
@@ -140,7 +150,7 @@ def test_restoring_a_file_names_it(tmp_path):
         sidco.restore(tmp_path / "ckpt", small_state())
 
 
-@pytest.mark.parametrize("missing", ["_METADATA", "manifest.ocdbt", "d"])
+@pytest.mark.parametrize("missing", ["_METADATA", "manifest.ocdbt", "d", "sidco_manifest"])
 def test_restoring_an_incomplete_checkpoint_names_what_is_missing(tmp_path, missing):
     tree = small_state()
     sidco.save(tmp_path / "ckpt", tree)
@@ -328,3 +338,126 @@ def test_a_residual_that_cannot_change_layout_names_both(tmp_path):
     target = sidco.compress(0.1, layout="buckets").init({"w": jnp.zeros(30)})
     with pytest.raises(ValueError, match=r"saved in the 'tree' layout.*'buckets' layout"):
         sidco.restore(tmp_path / "ckpt", target)
+
+
+def random_tree(rng, devices=1):
+    """Random float32 values (zstd keeps them as they are: a flipped byte stays a wrong value)."""
+    mesh = mesh_of(devices)
+    w = rng.normal(size=(8 * 1000,)).astype(np.float32)  # past OCDBT's 1 KiB inline values
+    return {
+        "w": jax.device_put(w, NamedSharding(mesh, P(AXIS))),
+        "b": jax.device_put(np.ones((3, 4), np.float32), NamedSharding(mesh, P())),
+    }
+
+
+def data_files(checkpoint):
+    """The data files of the checkpoint's OCDBT databases, largest (the arrays') first."""
+    return sorted(checkpoint.glob("**/d/*"), key=lambda f: f.stat().st_size, reverse=True)
+
+
+@pytest.mark.parametrize(("devices", "where"), [(1, ""), (8, r"\[\d+:\d+\]")])
+def test_a_flipped_byte_in_the_data_is_refused_naming_the_array(tmp_path, rng, devices, where):
+    tree = random_tree(rng, devices)
+    sidco.save(tmp_path / "ckpt", tree)
+    largest = data_files(tmp_path / "ckpt")[0]
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    largest.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"ckpt is damaged: \['w'\]{where} does not hold what"):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
+@pytest.mark.parametrize("size", [0, 100])
+def test_a_truncated_data_file_is_an_incomplete_checkpoint(tmp_path, rng, size):
+    tree = random_tree(rng)
+    sidco.save(tmp_path / "ckpt", tree)
+    with data_files(tmp_path / "ckpt")[0].open("r+b") as data:
+        data.truncate(size)
+    with pytest.raises(
+        ValueError,
+        match=rf"{tmp_path}/ckpt is not a complete checkpoint .*: reading \['w'\] failed",
+    ):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
+def test_metadata_without_the_tree_is_an_incomplete_checkpoint(tmp_path):
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    (tmp_path / "ckpt" / "_METADATA").write_text("{}")
+    with pytest.raises(
+        ValueError, match=r"ckpt is not a complete .*_METADATA holds no tree_metadata"
+    ):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
+def test_python_scalars_and_none_round_trip(tmp_path):
+    tree = {"step": 7, "lr": 0.25, "done": True, "nothing": None, "w": jnp.arange(3.0)}
+    sidco.save(tmp_path / "ckpt", tree)
+    target = {"step": 0, "lr": 0.0, "done": False, "nothing": None, "w": jnp.zeros(3)}
+    restored = sidco.restore(tmp_path / "ckpt", target)
+    assert restored == {**tree, "w": restored["w"]}
+    assert [type(restored[k]) for k in ("step", "lr", "done")] == [int, float, bool]
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+    with pytest.raises(ValueError, match=r"\['step'\] was saved as int64 and the target asks for"):
+        sidco.restore(tmp_path / "ckpt", {**target, "step": 0.0})
+
+
+def test_a_changed_model_leaf_is_refused_naming_it_and_both_shapes(tmp_path):
+    sidco.save(tmp_path / "ckpt", {"w": jnp.zeros((40, 5))})
+    with pytest.raises(
+        ValueError, match=r"\['w'\] was saved with shape \(40, 5\) and the target's is \(40, 3\)"
+    ):
+        sidco.restore(tmp_path / "ckpt", {"w": jnp.zeros((40, 3))})
+
+
+def compressor_state(shape, devices):
+    """The state of compress(0.1) for one ``shape`` leaf, on the first ``devices`` devices."""
+    mesh = mesh_of(devices)
+    params = jax.device_put({"w": jnp.ones(shape)}, NamedSharding(mesh, P()))
+    return sidco.shard_init(sidco.compress(0.1, axis_name=AXIS), params, mesh, AXIS)
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored", "message"),
+    [
+        # 80 rows are 4 devices' worth of the new model's 20: it restored with a device warning
+        (
+            ((40, 5), 2),
+            ((20, 5), 1),
+            r"\(80, 5\), \(40, 5\) per device .* \(20, 5\), \(20, 5\) per",
+        ),
+        # The same 40 rows in all: it restored without a word
+        (
+            ((20, 5), 2),
+            ((40, 5), 1),
+            r"\(40, 5\), \(20, 5\) per device .* \(40, 5\), \(40, 5\) per",
+        ),
+        (
+            ((20, 5), 2),
+            ((20, 3), 2),
+            r"\(40, 5\), \(20, 5\) per device .* \(40, 3\), \(20, 3\) per",
+        ),
+    ],
+)
+def test_a_residual_of_a_changed_model_leaf_is_refused(tmp_path, saved, restored, message):
+    sidco.save(tmp_path / "ckpt", compressor_state(*saved))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any redistribution
+        with pytest.raises(
+            ValueError, match=rf"\.residual\['w'\] is a per-device residual saved as {message}"
+        ):
+            sidco.restore(tmp_path / "ckpt", compressor_state(*restored))
+
+
+def test_a_save_that_stops_before_its_manifest_leaves_no_checkpoint(tmp_path, monkeypatch):
+    from sidco_jax._src import manifest
+
+    def crash(directory, tree):
+        raise OSError("killed")
+
+    monkeypatch.setattr(manifest, "write", crash)
+    with pytest.raises(OSError, match="killed"):
+        sidco.save(tmp_path / "ckpt", small_state())
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(FileNotFoundError, match="a save to it started and did not finish"):
+        sidco.restore(tmp_path / "ckpt", small_state())
