@@ -1,7 +1,9 @@
 """Checkpoints keep every device's residual and the controller, and training continues exactly."""
 
+import json
 import os
 import pathlib
+import pickle
 import shutil
 import subprocess
 import sys
@@ -461,3 +463,78 @@ def test_a_save_that_stops_before_its_manifest_leaves_no_checkpoint(tmp_path, mo
     assert not (tmp_path / "ckpt").exists()
     with pytest.raises(FileNotFoundError, match="a save to it started and did not finish"):
         sidco.restore(tmp_path / "ckpt", small_state())
+
+
+class Payload:
+    """Unpickled, it creates the directory ``marker``: what a malicious checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_METADATA",
+        "sidco_manifest/process_0.json",
+        "_CHECKPOINT_METADATA",
+        "_sharding",
+        "array_metadatas/process_0",
+    ],
+)
+def test_a_pickle_in_a_checkpoint_runs_nothing(tmp_path, name):
+    armed = tmp_path / "armed"
+    pickle.loads(pickle.dumps(Payload(armed)))
+    assert armed.exists()  # the payload works when unpickled
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    (tmp_path / "ckpt" / name).write_bytes(pickle.dumps(Payload(tmp_path / "ran")))
+    with pytest.raises(ValueError, match=rf"ckpt is not a complete .*: its {name} is not JSON"):
+        sidco.restore(tmp_path / "ckpt", tree)
+    assert not (tmp_path / "ran").exists()
+
+
+def edit_manifest(record, change):
+    """``record`` (a process's manifest) with ``change`` applied to its first leaf."""
+    leaf = record["leaves"][0]
+    if change == "crc as text":
+        leaf["shards"][0]["crc32"] = str(leaf["shards"][0]["crc32"])
+    elif change == "negative shape":
+        leaf["shape"] = [-1]
+    elif change == "object in path":
+        leaf["path"] = [{"py/reduce": [{"py/function": "os.system"}, ["touch ran"]]}]
+    elif change == "region outside":
+        leaf["shards"][0]["region"] = [[0, 10**6]] * len(leaf["shape"])
+    elif change == "a shard missing":
+        leaf["shards"] = []
+    elif change == "leaves not a list":
+        record["leaves"] = {"a": 1}
+    return record
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("crc as text", r"leaf \[0\]\['b'\] has no int 'crc32'"),
+        ("negative shape", r"leaf \[0\]\['b'\]: its shape is not a list of non-negative integers"),
+        ("object in path", r"its path holds something other than names and indices"),
+        ("region outside", r"region \[\[0, 1000000\]\] is not inside its shape \[40\]"),
+        ("a shard missing", r"its manifest covers 0 of the 40 entries of \[0\]\['b'\]"),
+        ("leaves not a list", r"process_0.json has no list 'leaves'"),
+        ("deep", r"process_0.json is not JSON \(RecursionError\)"),
+    ],
+)
+def test_a_manifest_of_other_types_is_refused(tmp_path, change, message):
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    path = tmp_path / "ckpt" / "sidco_manifest" / "process_0.json"
+    if change == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        path.write_text(json.dumps(edit_manifest(json.loads(path.read_text()), change)))
+    with pytest.raises(ValueError, match=f"ckpt is not a complete checkpoint .*{message}"):
+        sidco.restore(tmp_path / "ckpt", tree)
+    assert not (tmp_path / "ran").exists()

@@ -143,12 +143,13 @@ def _leaf(entry, what: str) -> tuple[tuple, Leaf]:
 
 def _load(folder: str, process: int) -> dict:
     """One process's manifest, its top-level fields checked."""
-    what = f"{DIRECTORY}/process_{process}.json"
+    name = f"{DIRECTORY}/process_{process}.json"
+    what = f"its {name}"
     try:
         with open(os.path.join(folder, f"process_{process}.json"), "rb") as source:
             record = json.loads(source.read().decode("utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"it lacks {what}") from None
+        raise ValueError(f"it lacks {name}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"{what} is not JSON ({type(error).__name__})") from None
     if (_field(record, "format", int, what), record.get("checksum")) != (FORMAT, CHECKSUM):
@@ -173,7 +174,7 @@ def read(path: str) -> dict[tuple, Leaf]:
         records = [first, *(_load(folder, i) for i in range(1, max(first["processes"], 1)))]
         leaves = {}
         for record in records:
-            what = f"{DIRECTORY}/process_{record['process']}.json"
+            what = f"its {DIRECTORY}/process_{record['process']}.json"
             for entry in record["leaves"]:
                 name, leaf = _leaf(entry, what)
                 leaves.setdefault(name, leaf).shards.update(leaf.shards)

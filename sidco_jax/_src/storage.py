@@ -24,6 +24,8 @@ _UNFINISHED = ".orbax-checkpoint-tmp"
 # What every checkpoint of :func:`sidco_jax.save` holds: the tree's metadata, the root and
 # data files of the OCDBT database holding the arrays, and the manifest.
 _LAYOUT = ("_METADATA", "manifest.ocdbt", "d", manifest.DIRECTORY)
+# Orbax's JSON files besides the per-process ones in array_metadatas/.
+_JSON = ("_METADATA", "_CHECKPOINT_METADATA", "_sharding")
 # Tensorstore's codes for stored data that is missing or cannot be decoded.
 _DAMAGE = re.compile(r"^(NOT_FOUND|OUT_OF_RANGE|FAILED_PRECONDITION|DATA_LOSS): ")
 
@@ -88,15 +90,28 @@ def check_source(path: str) -> None:
     missing = [name for name in _LAYOUT if not os.path.exists(os.path.join(path, name))]
     if missing:
         raise manifest.incomplete(path, f"it lacks {', '.join(missing)}")
-    # Orbax's own reading of it fails with a KeyError or worse on anything but its JSON.
+    # Orbax's own reading of these fails with a KeyError, or a UnicodeDecodeError naming
+    # no file, on anything but the JSON objects it wrote.
+    others = glob.glob(os.path.join(glob.escape(path), "array_metadatas", "*"))
+    names = [n for n in _JSON if os.path.exists(os.path.join(path, n))]
+    for name in names + sorted(os.path.relpath(other, path) for other in others):
+        record = _json_object(path, name)
+        if name == "_METADATA" and not isinstance(record.get("tree_metadata"), dict):
+            raise manifest.incomplete(path, "its _METADATA holds no tree_metadata object")
+
+
+def _json_object(path: str, name: str) -> dict:
+    """The JSON object in ``path/name``; raises unless it holds one."""
     try:
-        with open(os.path.join(path, "_METADATA"), "rb") as source:
-            metadata = json.loads(source.read().decode("utf-8"))
+        with open(os.path.join(path, name), "rb") as source:
+            record = json.loads(source.read().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        reason = f"its _METADATA is not JSON ({type(error).__name__})"
-        raise manifest.incomplete(path, reason) from None
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("tree_metadata"), dict):
-        raise manifest.incomplete(path, "its _METADATA holds no tree_metadata object")
+        raise manifest.incomplete(
+            path, f"its {name} is not JSON ({type(error).__name__})"
+        ) from None
+    if not isinstance(record, dict):
+        raise manifest.incomplete(path, f"its {name} holds no JSON object")
+    return record
 
 
 def metadata(checkpointer, path: str):
