@@ -404,6 +404,17 @@ def test_python_scalars_and_none_round_trip(tmp_path):
         sidco.restore(tmp_path / "ckpt", {**target, "step": 0.0})
 
 
+def test_a_scalar_is_checked_too(tmp_path):
+    sidco.save(tmp_path / "ckpt", {"step": 7, "w": jnp.zeros(3)})
+    path = tmp_path / "ckpt" / "sidco_manifest" / "process_0.json"
+    record = json.loads(path.read_text())
+    (step,) = (leaf for leaf in record["leaves"] if leaf["name"] == "['step']")
+    step["shards"][0]["crc32"] ^= 1  # as if the stored 7 had changed
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"ckpt is damaged: \['step'\] does not hold what was"):
+        sidco.restore(tmp_path / "ckpt", {"step": 0, "w": jnp.zeros(3)})
+
+
 def test_a_changed_model_leaf_is_refused_naming_it_and_both_shapes(tmp_path):
     sidco.save(tmp_path / "ckpt", {"w": jnp.zeros((40, 5))})
     with pytest.raises(

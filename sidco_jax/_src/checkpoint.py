@@ -158,35 +158,39 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         tree = storage.metadata(checkpointer, path)
         # A residual saved in another layout is read as saved, converted below.
         as_saved = _as_saved(target, tree)
-        # The metadata tree has dicts for NamedTuples and lists for tuples:
-        # match leaves by path, not by order.
-        saved = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_has_shape)[0]
-        saved = {_names(keys): leaf for keys, leaf in saved}
         flat, treedef = jax.tree_util.tree_flatten_with_path(as_saved)
         abstract = [_abstract(leaf) for _, leaf in flat]
         marks = jax.tree.leaves(is_residual(as_saved))
-        entries = [described.get(manifest.key(keys)) for keys, _ in flat]
+        saved, entries = _by_name(tree), [described.get(manifest.key(k)) for k, _ in flat]
         wanted = [
             _request(path, keys, leaf, mark, saved.get(_names(keys)), entry)
             for (keys, _), leaf, mark, entry in zip(flat, abstract, marks, entries, strict=True)
         ]
         # Orbax stores each array in a folder named after its path, joined with dots.
         folders = {".".join(map(str, _names(keys))): jax.tree_util.keystr(keys) for keys, _ in flat}
-        read = storage.read(checkpointer, path, treedef.unflatten(wanted), folders)
-    values = treedef.flatten_up_to(read)
-    leaves = []
-    for value, leaf, asked, mark, entry in zip(
-        values, abstract, wanted, marks, entries, strict=True
-    ):
-        if asked is None:  # not saved (see save): rebuilt
-            leaves.append(_zeros(leaf))
-            continue
-        manifest.verify(path, entry, value)  # as read, before any redistribution
-        leaves.append(_redistribute(value, leaf) if mark else value)
+        values = storage.read(checkpointer, path, treedef.unflatten(wanted), folders)
+    values = treedef.flatten_up_to(values)
+    # Checked as read, before any redistribution; zero-size leaves were not saved.
+    checked = zip(entries, values, wanted, strict=True)
+    manifest.verify_all(path, [(e, value) for e, value, asked in checked if asked is not None])
+    leaves = [
+        _zeros(leaf) if asked is None else _redistribute(value, leaf) if mark else value
+        for value, leaf, asked, mark in zip(values, abstract, wanted, marks, strict=True)
+    ]
     _check_finite(leaves, marks)
     restored = _converted(treedef.unflatten(leaves), target)
     _check_ratios(restored, target)
     return restored
+
+
+def _by_name(metadata) -> dict:
+    """Orbax's metadata of every saved leaf by :func:`_names` of its path.
+
+    The metadata tree has dicts for NamedTuples and lists for tuples: leaves
+    are matched by path, not by order.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(metadata, is_leaf=_has_shape)[0]
+    return {_names(keys): leaf for keys, leaf in flat}
 
 
 def _request(path: str, keys, leaf, mark: bool, stored, entry: manifest.Leaf | None):

@@ -203,6 +203,34 @@ def _inside(region, have) -> bool:
     return all(h0 <= a and b <= h1 for (a, b), (h0, h1) in zip(region, have, strict=True))
 
 
+def verify_all(path: str, pairs) -> None:
+    """Raises, in every process alike, unless every ``(Leaf, value)`` holds what was saved.
+
+    Each process checks the shards it holds (see :func:`verify`). A process
+    that found none damaged still raises when another did: one that went on
+    alone would train with processes that fall back to another checkpoint.
+    """
+    damage = None
+    for leaf, value in pairs:
+        try:
+            verify(path, leaf, value)
+        except ValueError as error:
+            damage = error
+            break
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        found = multihost_utils.process_allgather(np.int32(damage is not None))
+        if damage is None and found.any():
+            processes = ", ".join(map(str, np.flatnonzero(found)))
+            damage = ValueError(
+                f"{path} is damaged: process {processes} found arrays that do not hold what "
+                "was saved (its error names them); restore another checkpoint"
+            )
+    if damage is not None:
+        raise damage
+
+
 def verify(path: str, leaf: Leaf, value) -> None:
     """Raises unless every saved shard of ``value`` this process holds has its saved checksum.
 
