@@ -163,11 +163,11 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         marks = jax.tree.leaves(is_residual(as_saved))
         saved, entries = _by_name(tree), [described.get(manifest.key(k)) for k, _ in flat]
         wanted = [
-            _request(path, keys, leaf, mark, saved.get(_names(keys)), entry)
+            _request(path, keys, leaf, mark, saved.get(manifest.key(keys)), entry)
             for (keys, _), leaf, mark, entry in zip(flat, abstract, marks, entries, strict=True)
         ]
         # Orbax stores each array in a folder named after its path, joined with dots.
-        folders = {".".join(map(str, _names(keys))): jax.tree_util.keystr(keys) for keys, _ in flat}
+        folders = {".".join(manifest.key(keys)): jax.tree_util.keystr(keys) for keys, _ in flat}
         values = storage.read(checkpointer, path, treedef.unflatten(wanted), folders)
     values = treedef.flatten_up_to(values)
     # Checked as read, before any redistribution; zero-size leaves were not saved.
@@ -184,13 +184,13 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 
 
 def _by_name(metadata) -> dict:
-    """Orbax's metadata of every saved leaf by :func:`_names` of its path.
+    """Orbax's metadata of every saved leaf, by :func:`manifest.key` of its path.
 
-    The metadata tree has dicts for NamedTuples and lists for tuples: leaves
-    are matched by path, not by order.
+    The metadata tree has dicts for NamedTuples, lists for tuples and str keys
+    for int ones: leaves are matched by their paths' names, not by order.
     """
     flat = jax.tree_util.tree_flatten_with_path(metadata, is_leaf=_has_shape)[0]
-    return {_names(keys): leaf for keys, leaf in flat}
+    return {manifest.key(keys): leaf for keys, leaf in flat}
 
 
 def _request(path: str, keys, leaf, mark: bool, stored, entry: manifest.Leaf | None):
@@ -249,18 +249,18 @@ def _check_residual(name: str, saved_shape: tuple, saved_device: tuple | None, t
 
 
 def _subtree(tree, names: tuple):
-    """The node of a metadata tree (dicts and lists) at ``names``, or None."""
+    """The node of a metadata tree (dicts and lists) at ``names`` (of ``manifest.key``), or None."""
     for name in names:
         try:
-            tree = tree[name]
-        except (KeyError, IndexError, TypeError):
+            tree = tree[int(name)] if isinstance(tree, list) else tree[name]
+        except (KeyError, IndexError, TypeError, ValueError):
             return None
     return tree
 
 
 def _leaf_names(tree, is_leaf=None) -> set:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    return {_names(keys) for keys, leaf in flat if not _is_empty(leaf)}
+    return {manifest.key(keys) for keys, leaf in flat if not _is_empty(leaf)}
 
 
 def _as_saved(target, saved):
@@ -274,7 +274,7 @@ def _as_saved(target, saved):
     def as_saved(keys, node):
         if not _is_state(node) or node.residual is None:
             return node
-        stored = _subtree(saved, (*_names(keys), "residual"))
+        stored = _subtree(saved, (*manifest.key(keys), "residual"))
         if stored is None or _leaf_names(stored, _has_shape) == _leaf_names(node.residual):
             return node  # the same layout (orbax names anything missing)
         shape = jax.tree.map(
@@ -398,11 +398,6 @@ def _is_state(node) -> bool:
 
 def _has_shape(node) -> bool:
     return hasattr(node, "shape") and hasattr(node, "dtype")
-
-
-def _names(keys) -> tuple:
-    """A key path as plain names and indices (NamedTuple field == dict key)."""
-    return tuple(getattr(k, "name", getattr(k, "key", getattr(k, "idx", None))) for k in keys)
 
 
 def _redistribute(value, target):

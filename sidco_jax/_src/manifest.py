@@ -52,9 +52,12 @@ def incomplete(path: str, reason: str) -> ValueError:
 
 
 def key(keys) -> tuple:
-    """A key path as plain names, the same in a NamedTuple and in orbax's dicts."""
-    names = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", None))) for k in keys)
-    return tuple(n if type(n) is int else str(n) for n in names)
+    """A key path as names, the same in a tree and in orbax's metadata of it.
+
+    Orbax turns NamedTuples into dicts, tuples into lists and int dict keys
+    (Flax NNX's layer indices) into str ones: every name is a str.
+    """
+    return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", None)))) for k in keys)
 
 
 def _region(index, shape) -> tuple:
@@ -123,8 +126,8 @@ def _leaf(entry, what: str) -> tuple[tuple, Leaf]:
     name = _field(entry, "name", str, what)
     what = f"{what}, leaf {name}"
     path = _field(entry, "path", list, what)
-    if not all(type(p) in (int, str) for p in path):
-        raise ValueError(f"{what}: its path holds something other than names and indices")
+    if not all(type(p) is str for p in path):
+        raise ValueError(f"{what}: its path holds something other than names")
     shape = _naturals(entry.get("shape"), f"{what}: its shape")
     device = entry.get("device_shape")
     device = None if device is None else _naturals(device, f"{what}: its device_shape", len(shape))
