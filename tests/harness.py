@@ -148,6 +148,19 @@ def train_least_squares(
     Returns:
       The final weights and the compressor's metrics, as NumPy values.
     """
+    params, state = least_squares_state(steps, ratio, per_device, features, hierarchical)
+    metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
+    return np.asarray(params.addressable_data(0)), metrics
+
+
+def least_squares_state(
+    steps: int,
+    ratio: float = 0.05,
+    per_device: int = 16,
+    features: int = 256,
+    hierarchical: bool = False,
+):
+    """The global ``(params, opt_state)`` of :func:`train_least_squares` after ``steps``."""
     devices = jax.device_count()
     if hierarchical:
         mesh = jax.make_mesh((2, devices // 2), ("node", "local"))
@@ -174,8 +187,7 @@ def train_least_squares(
 
     for _ in range(steps):
         params, state, _ = step(params, state, (x, y))
-    metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
-    return np.asarray(params.addressable_data(0)), metrics
+    return params, state
 
 
 def flat_residual(state) -> np.ndarray:

@@ -1,22 +1,70 @@
 """One process of the multi-process test (tests/test_multiprocess.py).
 
-Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING [HIERARCHICAL]]``
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the
+Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING [HIERARCHICAL
+[CHECKPOINT]]]`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the
 ``jax.distributed`` job on localhost with gloo CPU collectives, trains
 ``harness.train_least_squares`` over every process's devices and writes the
 result to ``OUT`` (process 0). Process ``DYING``, if given (-1: none), exits
 abruptly after joining, as a crashed worker would. ``HIERARCHICAL`` (0 or 1)
-trains on a node x local mesh, one node per process.
+trains on a node x local mesh, one node per process. ``CHECKPOINT`` (0 or 1)
+saves and restores the training state instead (:func:`check_checkpoints`).
 """
 
+import json
 import os
+import pathlib
 import sys
 
 STEPS = 30
 
 
+def check_checkpoints(process_id: int, out: str) -> None:
+    """Saves and restores a state, then again after damaging a checksum process 1 wrote.
+
+    Writes ``OUT.process<i>.json``: whether the restored shards this process
+    holds equal the saved ones, the manifest files, and the error of the
+    damaged restore.
+    """
+    import jax
+    import numpy as np
+    from harness import least_squares_state
+    from jax.experimental import multihost_utils
+
+    import sidco_jax as sidco
+
+    tree = least_squares_state(3)
+    path = pathlib.Path(out).with_name("ckpt")
+    sidco.save(path, tree)
+    restored = sidco.restore(path, tree)
+
+    def held(tree):
+        return [np.asarray(s.data) for x in jax.tree.leaves(tree) for s in x.addressable_shards]
+
+    same = all(np.array_equal(a, b) for a, b in zip(held(restored), held(tree), strict=True))
+    report = {"same": same, "files": sorted(os.listdir(path / "sidco_manifest"))}
+    multihost_utils.sync_global_devices("restored")
+    if process_id == 1:  # as if rows of the residual this process wrote had changed on disk
+        manifest = path / "sidco_manifest" / "process_1.json"
+        record = json.loads(manifest.read_text())
+        (residual,) = (leaf for leaf in record["leaves"] if "residual" in leaf["name"])
+        residual["shards"][0]["crc32"] ^= 1
+        manifest.write_text(json.dumps(record))
+    multihost_utils.sync_global_devices("damaged")
+    try:
+        sidco.restore(path, tree)
+    except ValueError as error:
+        report["damaged"] = str(error)
+    pathlib.Path(f"{out}.process{process_id}.json").write_text(json.dumps(report))
+
+
 def main(
-    process_id: int, processes: int, port: int, out: str, dying: int = -1, hierarchical: int = 0
+    process_id: int,
+    processes: int,
+    port: int,
+    out: str,
+    dying: int = -1,
+    hierarchical: int = 0,
+    checkpoint: int = 0,
 ) -> None:
     import jax
     import numpy as np
@@ -34,6 +82,10 @@ def main(
 
     if process_id == dying:
         os._exit(17)
+    if checkpoint:
+        check_checkpoints(process_id, out)
+        jax.distributed.shutdown()
+        return
     params, metrics = train_least_squares(STEPS, hierarchical=bool(hierarchical))
     if process_id == 0:
         np.savez(out, params=params, **metrics)

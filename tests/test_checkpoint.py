@@ -1,7 +1,9 @@
 """Checkpoints keep every device's residual and the controller, and training continues exactly."""
 
+import json
 import os
 import pathlib
+import pickle
 import shutil
 import subprocess
 import sys
@@ -99,15 +101,25 @@ def test_restoring_on_fewer_devices_keeps_the_owed_update(tmp_path, rng, devices
     run_shard_map(tx, gradient_stream(rng, 2), devices, start=(got_params, got_state))
 
 
-def test_a_residual_of_another_model_is_refused(tmp_path, rng):
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        (False, r"\['b'\] is a per-device residual saved as \(320,\), \(40,\) per device"),
+        # Host arrays say nothing of devices: only whole numbers of them are checked.
+        (True, "320 entries is not a whole number of devices' residuals of 7 entries"),
+    ],
+)
+def test_a_residual_of_another_model_is_refused(tmp_path, rng, host, message):
     tx = optimizer()
     _, states, params = run_shard_map(tx, gradient_stream(rng, 1))
-    sidco.save(tmp_path / "ckpt", (params, states[-1]))
+    saved = (params, states[-1])
+    sidco.save(tmp_path / "ckpt", jax.device_get(saved) if host else saved)
     target = targets(params, states[-1], 8)
-    residual = dict(target[1][0].residual, b=jax.ShapeDtypeStruct((8 * 7,), np.float32))
-    bad = target[1][0]._replace(residual=residual)
+    sharding = target[1][0].residual["b"].sharding
+    b = jax.ShapeDtypeStruct((8 * 7,), np.float32, sharding=sharding)
+    bad = target[1][0]._replace(residual=dict(target[1][0].residual, b=b))
     target = (target[0], (bad, *target[1][1:]))
-    with pytest.raises(ValueError, match="not a whole number of devices' residuals"):
+    with pytest.raises(ValueError, match=message):
         sidco.restore(tmp_path / "ckpt", target)
 
 
@@ -140,7 +152,7 @@ def test_restoring_a_file_names_it(tmp_path):
         sidco.restore(tmp_path / "ckpt", small_state())
 
 
-@pytest.mark.parametrize("missing", ["_METADATA", "manifest.ocdbt", "d"])
+@pytest.mark.parametrize("missing", ["_METADATA", "manifest.ocdbt", "d", "sidco_manifest"])
 def test_restoring_an_incomplete_checkpoint_names_what_is_missing(tmp_path, missing):
     tree = small_state()
     sidco.save(tmp_path / "ckpt", tree)
@@ -328,3 +340,226 @@ def test_a_residual_that_cannot_change_layout_names_both(tmp_path):
     target = sidco.compress(0.1, layout="buckets").init({"w": jnp.zeros(30)})
     with pytest.raises(ValueError, match=r"saved in the 'tree' layout.*'buckets' layout"):
         sidco.restore(tmp_path / "ckpt", target)
+
+
+def random_tree(rng, devices=1):
+    """Random float32 values (zstd keeps them as they are: a flipped byte stays a wrong value)."""
+    mesh = mesh_of(devices)
+    w = rng.normal(size=(8 * 1000,)).astype(np.float32)  # past OCDBT's 1 KiB inline values
+    return {
+        "w": jax.device_put(w, NamedSharding(mesh, P(AXIS))),
+        "b": jax.device_put(np.ones((3, 4), np.float32), NamedSharding(mesh, P())),
+    }
+
+
+def data_files(checkpoint):
+    """The data files of the checkpoint's OCDBT databases, largest (the arrays') first."""
+    return sorted(checkpoint.glob("**/d/*"), key=lambda f: f.stat().st_size, reverse=True)
+
+
+@pytest.mark.parametrize(("devices", "where"), [(1, ""), (8, r"\[\d+:\d+\]")])
+def test_a_flipped_byte_in_the_data_is_refused_naming_the_array(tmp_path, rng, devices, where):
+    tree = random_tree(rng, devices)
+    sidco.save(tmp_path / "ckpt", tree)
+    largest = data_files(tmp_path / "ckpt")[0]
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    largest.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"ckpt is damaged: \['w'\]{where} does not hold what"):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
+@pytest.mark.parametrize("size", [0, 100])
+def test_a_truncated_data_file_is_an_incomplete_checkpoint(tmp_path, rng, size):
+    tree = random_tree(rng)
+    sidco.save(tmp_path / "ckpt", tree)
+    with data_files(tmp_path / "ckpt")[0].open("r+b") as data:
+        data.truncate(size)
+    with pytest.raises(
+        ValueError,
+        match=rf"{tmp_path}/ckpt is not a complete checkpoint .*: reading \['w'\] failed",
+    ):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
+def test_metadata_without_the_tree_is_an_incomplete_checkpoint(tmp_path):
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    (tmp_path / "ckpt" / "_METADATA").write_text("{}")
+    with pytest.raises(
+        ValueError, match=r"ckpt is not a complete .*_METADATA holds no tree_metadata"
+    ):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
+def test_python_scalars_and_none_round_trip(tmp_path):
+    tree = {"step": 7, "lr": 0.25, "done": True, "nothing": None, "w": jnp.arange(3.0)}
+    sidco.save(tmp_path / "ckpt", tree)
+    target = {"step": 0, "lr": 0.0, "done": False, "nothing": None, "w": jnp.zeros(3)}
+    restored = sidco.restore(tmp_path / "ckpt", target)
+    assert restored == {**tree, "w": restored["w"]}
+    assert [type(restored[k]) for k in ("step", "lr", "done")] == [int, float, bool]
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+    with pytest.raises(ValueError, match=r"\['step'\] was saved as int64 and the target asks for"):
+        sidco.restore(tmp_path / "ckpt", {**target, "step": 0.0})
+
+
+def test_a_scalar_is_checked_too(tmp_path):
+    sidco.save(tmp_path / "ckpt", {"step": 7, "w": jnp.zeros(3)})
+    path = tmp_path / "ckpt" / "sidco_manifest" / "process_0.json"
+    record = json.loads(path.read_text())
+    (step,) = (leaf for leaf in record["leaves"] if leaf["name"] == "['step']")
+    step["shards"][0]["crc32"] ^= 1  # as if the stored 7 had changed
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"ckpt is damaged: \['step'\] does not hold what was"):
+        sidco.restore(tmp_path / "ckpt", {"step": 0, "w": jnp.zeros(3)})
+
+
+def test_a_changed_model_leaf_is_refused_naming_it_and_both_shapes(tmp_path):
+    sidco.save(tmp_path / "ckpt", {"w": jnp.zeros((40, 5))})
+    with pytest.raises(
+        ValueError, match=r"\['w'\] was saved with shape \(40, 5\) and the target's is \(40, 3\)"
+    ):
+        sidco.restore(tmp_path / "ckpt", {"w": jnp.zeros((40, 3))})
+
+
+def compressor_state(shape, devices):
+    """The state of compress(0.1) for one ``shape`` leaf, on the first ``devices`` devices."""
+    mesh = mesh_of(devices)
+    params = jax.device_put({"w": jnp.ones(shape)}, NamedSharding(mesh, P()))
+    return sidco.shard_init(sidco.compress(0.1, axis_name=AXIS), params, mesh, AXIS)
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored", "message"),
+    [
+        # 80 rows are 4 devices' worth of the new model's 20: it restored with a device warning
+        (
+            ((40, 5), 2),
+            ((20, 5), 1),
+            r"\(80, 5\), \(40, 5\) per device .* \(20, 5\), \(20, 5\) per",
+        ),
+        # The same 40 rows in all: it restored without a word
+        (
+            ((20, 5), 2),
+            ((40, 5), 1),
+            r"\(40, 5\), \(20, 5\) per device .* \(40, 5\), \(40, 5\) per",
+        ),
+        (
+            ((20, 5), 2),
+            ((20, 3), 2),
+            r"\(40, 5\), \(20, 5\) per device .* \(40, 3\), \(20, 3\) per",
+        ),
+    ],
+)
+def test_a_residual_of_a_changed_model_leaf_is_refused(tmp_path, saved, restored, message):
+    sidco.save(tmp_path / "ckpt", compressor_state(*saved))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any redistribution
+        with pytest.raises(
+            ValueError, match=rf"\.residual\['w'\] is a per-device residual saved as {message}"
+        ):
+            sidco.restore(tmp_path / "ckpt", compressor_state(*restored))
+
+
+def test_a_save_that_stops_before_its_manifest_leaves_no_checkpoint(tmp_path, monkeypatch):
+    from sidco_jax._src import manifest
+
+    def crash(directory, tree):
+        raise OSError("killed")
+
+    monkeypatch.setattr(manifest, "write", crash)
+    with pytest.raises(OSError, match="killed"):
+        sidco.save(tmp_path / "ckpt", small_state())
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(FileNotFoundError, match="a save to it started and did not finish"):
+        sidco.restore(tmp_path / "ckpt", small_state())
+
+
+class Payload:
+    """Unpickled, it creates the directory ``marker``: what a malicious checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_METADATA",
+        "sidco_manifest/process_0.json",
+        "_CHECKPOINT_METADATA",
+        "_sharding",
+        "array_metadatas/process_0",
+    ],
+)
+def test_a_pickle_in_a_checkpoint_runs_nothing(tmp_path, name):
+    armed = tmp_path / "armed"
+    pickle.loads(pickle.dumps(Payload(armed)))
+    assert armed.exists()  # the payload works when unpickled
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    (tmp_path / "ckpt" / name).write_bytes(pickle.dumps(Payload(tmp_path / "ran")))
+    with pytest.raises(ValueError, match=rf"ckpt is not a complete .*: its {name} is not JSON"):
+        sidco.restore(tmp_path / "ckpt", tree)
+    assert not (tmp_path / "ran").exists()
+
+
+def edit_manifest(record, change):
+    """``record`` (a process's manifest) with ``change`` applied to its first leaf."""
+    leaf = record["leaves"][0]
+    if change == "crc as text":
+        leaf["shards"][0]["crc32"] = str(leaf["shards"][0]["crc32"])
+    elif change == "negative shape":
+        leaf["shape"] = [-1]
+    elif change == "object in path":
+        leaf["path"] = [{"py/reduce": [{"py/function": "os.system"}, ["touch ran"]]}]
+    elif change == "region outside":
+        leaf["shards"][0]["region"] = [[0, 10**6]] * len(leaf["shape"])
+    elif change == "a shard missing":
+        leaf["shards"] = []
+    elif change == "leaves not a list":
+        record["leaves"] = {"a": 1}
+    return record
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("crc as text", r"leaf \[0\]\['b'\] has no int 'crc32'"),
+        ("negative shape", r"leaf \[0\]\['b'\]: its shape is not a list of non-negative integers"),
+        ("object in path", r"its path holds something other than names"),
+        ("region outside", r"region \[\[0, 1000000\]\] is not inside its shape \[40\]"),
+        ("a shard missing", r"its manifest covers 0 of the 40 entries of \[0\]\['b'\]"),
+        ("leaves not a list", r"process_0.json has no list 'leaves'"),
+        ("deep", r"process_0.json is not JSON \(RecursionError\)"),
+    ],
+)
+def test_a_manifest_of_other_types_is_refused(tmp_path, change, message):
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    path = tmp_path / "ckpt" / "sidco_manifest" / "process_0.json"
+    if change == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        path.write_text(json.dumps(edit_manifest(json.loads(path.read_text()), change)))
+    with pytest.raises(ValueError, match=f"ckpt is not a complete checkpoint .*{message}"):
+        sidco.restore(tmp_path / "ckpt", tree)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_state_with_integer_keys_round_trips(tmp_path):
+    # Flax NNX states key their lists of layers by int, orbax's metadata by str:
+    # '10' sorts before '2', so matching by order would swap residuals.
+    params = {i: jnp.zeros(3) for i in range(12)}
+    tx = optax.chain(sidco.compress(0.25), optax.sgd(0.1))
+    grads = {i: jnp.arange(3.0) + 3 * i for i in range(12)}
+    _, state = tx.update(grads, tx.init(params), params)
+    sidco.save(tmp_path / "ckpt", (params, state))
+    restored = sidco.restore(tmp_path / "ckpt", (params, tx.init(params)))
+    chex.assert_trees_all_equal(restored, (params, state))
+    with pytest.raises(ValueError, match=r"\[0\]\[2\] was saved with shape \(3,\) and the target"):
+        sidco.restore(tmp_path / "ckpt", ({**params, 2: jnp.zeros(4)}, state))

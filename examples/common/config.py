@@ -32,3 +32,11 @@ class Config:
         (), "save device 0's whole-model gradient at these steps (gradients_<compressor>.npz)"
     )
     progress: bool = option(True, "show a progress bar")
+    checkpoint_dir: str | None = option(
+        None,
+        "save each compressor's run to DIR/<compressor>/step_<t>, and first resume it from the "
+        "newest complete checkpoint there (rerun with the same flags)",
+    )
+    checkpoint_every: int = option(
+        50, "with --checkpoint-dir: save every this many steps, and at the last", min=1
+    )

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import sidco_jax as sidco
-from examples.common import parallel
+from examples.common import checkpoints, parallel
 from examples.common.config import Config
 
 
@@ -71,6 +71,11 @@ def fit(
 ) -> History:
     """Runs ``train_step`` for ``config.steps`` steps; returns the history of compressor ``name``.
 
+    With ``config.checkpoint_dir`` it saves the run there every
+    ``config.checkpoint_every`` steps and at the last, and first resumes from
+    the newest complete checkpoint of ``name`` there, if any
+    (:mod:`examples.common.checkpoints`).
+
     Args:
       config: the options.
       task: what is trained.
@@ -93,8 +98,17 @@ def fit(
     train_step, sent = parallel.compile_step(train_step, params, opt_state, next_batch()[1])
     history = History(name, bytes_per_step=sent)
     history.parameters = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    folder = config.checkpoint_dir and pathlib.Path(config.checkpoint_dir) / name
+    done = checkpoints.latest(folder, config.steps) if folder else 0
+    seconds = 0.0
+    if done:  # resume, with the batches those steps trained on drawn again
+        params, opt_state, seconds = checkpoints.restore(folder, done, params, opt_state, history)
+        for _ in range(done):
+            task.sample(data, global_batch)
     captured = {}
-    bar = tqdm(range(1, config.steps + 1), desc=name, disable=not config.progress, leave=False)
+    bar = tqdm(
+        range(done + 1, config.steps + 1), desc=name, disable=not config.progress, leave=False
+    )
     start = time.perf_counter()
     for t in bar:
         host, batch = next_batch()
@@ -105,26 +119,35 @@ def fit(
             captured[f"grad_step{t}"] = grad
             captured[f"u_step{t}"] = grad if residual is None else grad + residual
         params, opt_state, loss = train_step(params, opt_state, batch)
-        metrics = sidco.metrics(opt_state)
-        history.steps.append(t)
-        history.loss.append(float(parallel.replicated_value(loss)))
-        density = float(parallel.replicated_value(metrics["density"]))
-        history.achieved.append(density / config.ratio if name != "dense" else 1.0)
-        if t % config.eval_every == 0 or t == config.steps:
-            history.eval_steps.append(t)
-            history.evals.append(float(task.evaluate(_host(params))))
+        density = _record(config, task, history, t, params, opt_state, loss)
+        if folder and (t % config.checkpoint_every == 0 or t == config.steps):
+            elapsed = seconds + time.perf_counter() - start
+            checkpoints.save(folder, t, params, opt_state, history, elapsed)
         if t % 10 == 0 or t == config.steps:
-            rate = t * global_batch / (time.perf_counter() - start)
+            rate = (t - done) * global_batch / (time.perf_counter() - start)
             bar.set_postfix(
                 loss=f"{history.loss[-1]:.3f}",
                 density=f"{density:.4f}",
                 **{"examples/s": f"{rate:.0f}"},
             )
-    history.seconds_per_step = (time.perf_counter() - start) / config.steps
+    history.seconds_per_step = (seconds + time.perf_counter() - start) / config.steps
     if captured:
         workdir.mkdir(parents=True, exist_ok=True)
         np.savez(workdir / f"gradients_{name}.npz", **captured)
     return history
+
+
+def _record(config: Config, task: Task, history: History, t: int, params, opt_state, loss):
+    """Appends step ``t``'s loss, density and (when evaluated) metric; returns the density."""
+    metrics = sidco.metrics(opt_state)
+    history.steps.append(t)
+    history.loss.append(float(parallel.replicated_value(loss)))
+    density = float(parallel.replicated_value(metrics["density"]))
+    history.achieved.append(density / config.ratio if history.compressor != "dense" else 1.0)
+    if t % config.eval_every == 0 or t == config.steps:
+        history.eval_steps.append(t)
+        history.evals.append(float(task.evaluate(_host(params))))
+    return density
 
 
 def _host(params) -> Any:

@@ -14,7 +14,7 @@ LEGEND = """\
 - sent/target (median): entries sent over the target ratio, median over the steps (1.00: on target)
 - bytes/step/device: what one device sends per step, read from the compiled step's collectives
 - / dense: those bytes over dense's
-- s/step: wall-clock seconds per step, evaluation included, compilation excluded"""
+- s/step: wall-clock seconds per step, evaluation and checkpoints included, compilation excluded"""
 
 
 def table(histories: list[loop.History], metric: str, ratio: float, held_out: str = "test") -> str:

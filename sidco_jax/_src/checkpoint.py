@@ -10,9 +10,13 @@ residual back. The policy keeps what matters, the update still owed: each
 device sends its residual eventually and the update is the mean over devices,
 so the owed update is the mean of the residuals. Every new device starts from
 that mean (so the new mean equals the old), with a :class:`ResidualWarning`.
+
+Every checkpoint carries a manifest (:mod:`sidco_jax._src.manifest`): the
+shapes each array was saved with, per device for the residuals, and a checksum
+of every shard, so that :func:`restore` refuses a changed model or damaged
+data instead of reading them back as other numbers.
 """
 
-import glob
 import math
 import os
 import warnings
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidco_jax._src import layout as layout_lib
+from sidco_jax._src import manifest, storage
 from sidco_jax._src.base import CompressState
 from sidco_jax._src.sharding import is_residual
 
@@ -33,33 +38,6 @@ class ResidualWarning(UserWarning):
 
 class RatioWarning(UserWarning):
     """A restore put a compressor state saved at one ratio into a compressor with another."""
-
-
-# Orbax writes into ``<path>`` + this suffix and renames it when the save completes.
-_UNFINISHED = ".orbax-checkpoint-tmp"
-# What every checkpoint of :func:`save` holds: the tree's metadata, and the root
-# and data files of the OCDBT database holding the arrays.
-_LAYOUT = ("_METADATA", "manifest.ocdbt", "d")
-
-
-def _orbax():
-    """``orbax.checkpoint``, imported only here: it is slow to import and an optional extra."""
-    try:
-        import orbax.checkpoint as ocp
-    except ModuleNotFoundError as error:
-        raise ModuleNotFoundError(
-            "sidco_jax.save and sidco_jax.restore need orbax: pip install 'sidco_jax[checkpoint]'"
-        ) from error
-    return ocp
-
-
-def _checkpointer():
-    ocp = _orbax()
-
-    # The synchronous checkpointer creates the directory before any writer starts.
-    # The asynchronous one starts writers that wait for the directory: when its
-    # creation failed they kept the process alive for orbax's 300 s timeout.
-    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
 
 
 def _check_destination(path: str) -> None:
@@ -88,12 +66,15 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     Every process of a multi-process run must call it with the same path. It
     returns once the checkpoint is complete; when it fails, nothing it started
-    is left running. Needs orbax, the ``checkpoint`` extra
-    (``pip install 'sidco_jax[checkpoint]'``).
+    is left running. With the arrays it writes a manifest of their shapes and
+    of a CRC-32 checksum of every shard, which :func:`restore` checks. Needs
+    orbax, the ``checkpoint`` extra (``pip install 'sidco_jax[checkpoint]'``).
 
     Args:
       path: a directory that does not exist yet; missing parents are created.
-      tree: the pytree (NamedTuple states included).
+      tree: the pytree (NamedTuple states included) of JAX or NumPy arrays and
+        Python scalars (``bool``, ``int``, ``float``); ``None`` is an empty
+        subtree.
 
     Raises:
       FileExistsError: if ``path`` already exists.
@@ -101,54 +82,35 @@ def save(path: str | os.PathLike, tree: Any) -> None:
       PermissionError: if the nearest existing ancestor of ``path`` is not
         writable.
     """
-    ocp = _orbax()
+    storage.orbax()  # before anything else: without it, say which extra to install
 
     path = os.path.abspath(path)
     _check_destination(path)
     # Orbax refuses zero-size arrays (the residual of an integer parameter is one):
     # they hold nothing, and restore rebuilds them from the target.
     tree = jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
-    with _checkpointer() as checkpointer:
+    with storage.checkpointer() as checkpointer:
         try:
-            checkpointer.save(path, args=ocp.args.StandardSave(tree))
+            storage.save(checkpointer, path, tree)
         except Exception as error:
             error.add_note(f"sidco_jax.save: saving to {path} failed")
             raise
 
 
 def _abstract(leaf):
+    """What orbax is asked to read for ``leaf``: its shape, dtype and sharding, or a scalar."""
+    if isinstance(leaf, bool | int | float):  # orbax reads Python scalars back as such
+        return leaf
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
 
 
-def _check_source(path: str) -> None:
-    """Raises unless ``path`` is a directory with every part of a checkpoint of :func:`save`."""
-    if not os.path.exists(path):
-        unfinished = glob.glob(glob.escape(path + _UNFINISHED) + "*")
-        hint = f": a save to it started and did not finish ({unfinished[0]})" if unfinished else ""
-        raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist{hint}")
-    if not os.path.isdir(path):
-        raise NotADirectoryError(f"no checkpoint at {path}: {path} is a file, not a directory")
-    if not os.listdir(path):
-        raise ValueError(f"no checkpoint at {path}: {path} is empty")
-    # Checked here and not left to orbax: its failing reads leave tensorstore
-    # callbacks that print "Event loop is closed" long after the error.
-    missing = [name for name in _LAYOUT if not os.path.exists(os.path.join(path, name))]
-    if missing:
-        raise ValueError(
-            f"{path} is not a complete checkpoint written by sidco_jax.save: it lacks "
-            f"{', '.join(missing)}"
-        )
-
-
-def _incomplete(path: str, error: Exception) -> ValueError:
-    # Tensorstore appends its whole JSON spec to a missing file's message: keep the sentence.
-    reason = str(error).split(" [tensorstore_spec=")[0]
-    return ValueError(
-        f"{path} is not a complete checkpoint written by sidco_jax.save: reading it failed "
-        f"with: {reason}"
-    )
+def _shape_dtype(leaf) -> tuple[tuple, np.dtype]:
+    if _has_shape(leaf):
+        return tuple(leaf.shape), np.dtype(leaf.dtype)
+    value = np.asarray(leaf)  # a Python scalar, as save wrote it
+    return value.shape, value.dtype
 
 
 def restore(path: str | os.PathLike, target: Any) -> Any:
@@ -156,26 +118,31 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 
     Args:
       path: the checkpoint directory.
-      target: a pytree like the saved one, of arrays or ``jax.ShapeDtypeStruct``
-        with shardings (for example :func:`sidco_jax.state_shardings`): the
-        devices, and their number, may differ from the saved run. Each leaf's
-        dtype must be the saved one. Where a compressor state in ``target``
-        holds values (for example ``tx.init(params)``), its ratio is compared
-        with the saved one; an abstract state holds no ratio to compare.
+      target: a pytree like the saved one, of arrays, ``jax.ShapeDtypeStruct``
+        with shardings (for example :func:`sidco_jax.state_shardings`) or
+        Python scalars: the devices, and their number, may differ from the
+        saved run. Each leaf's shape and dtype must be the saved ones, and
+        each residual's shape per device (where the target gives its
+        sharding). Where a compressor state in ``target`` holds values (for
+        example ``tx.init(params)``), its ratio is compared with the saved one;
+        an abstract state holds no ratio to compare.
 
     Returns:
-      The restored pytree, each leaf with the sharding of ``target``. Residuals
-      saved on ``d`` devices and restored on ``d' != d`` are redistributed:
-      every new device gets the mean of the ``d`` old residuals. Compressor
-      states keep the saved values, ratio (``last.target_density``) included.
+      The restored pytree, each leaf with the sharding of ``target`` (a Python
+      scalar as the saved one). Residuals saved on ``d`` devices and restored
+      on ``d' != d`` are redistributed: every new device gets the mean of the
+      ``d`` old residuals. Compressor states keep the saved values, ratio
+      (``last.target_density``) included.
 
     Raises:
       FileNotFoundError: if ``path`` does not exist.
       NotADirectoryError: if ``path`` is a file.
-      ValueError: if ``path`` is empty or not a complete checkpoint, if a
-        leaf's saved dtype differs from the target's, or if a residual leaf's
-        saved first axis is not a whole number of the target's per-device
-        residuals.
+      ValueError: if ``path`` is empty or not a complete checkpoint (a part or
+        a data file missing, truncated or not what :func:`save` writes), if
+        an array's checksum differs from the one written at save (damaged
+        data), if a leaf's saved dtype or shape differs from the target's, or
+        if a residual's saved shape per device differs from the target's (the
+        model changed).
 
     Warns:
       ResidualWarning: when the residuals are redistributed, or hold NaN or
@@ -184,78 +151,116 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
       RatioWarning: when a compressor state of ``target`` holding values has
         another ratio than the saved one.
     """
-    ocp = _orbax()
-    from etils import epath  # orbax's own path type, installed with it
-
     path = os.path.abspath(path)
-    _check_source(path)
-    with _checkpointer() as checkpointer:
-        try:
-            saved = checkpointer.handler.metadata(epath.Path(path)).tree
-        except (FileNotFoundError, ValueError) as error:
-            raise _incomplete(path, error) from error
+    storage.check_source(path)
+    described = manifest.read(path)
+    with storage.checkpointer() as checkpointer:
+        tree = storage.metadata(checkpointer, path)
         # A residual saved in another layout is read as saved, converted below.
-        as_saved = _as_saved(target, saved)
+        as_saved = _as_saved(target, tree)
         flat, treedef = jax.tree_util.tree_flatten_with_path(as_saved)
         abstract = [_abstract(leaf) for _, leaf in flat]
         marks = jax.tree.leaves(is_residual(as_saved))
-        # The metadata tree has dicts for NamedTuples and lists for tuples:
-        # match leaves by path, not by order.
-        saved = {
-            _names(keys): leaf
-            for keys, leaf in jax.tree_util.tree_flatten_with_path(saved, is_leaf=_has_shape)[0]
-        }
-
-        def request(keys, leaf, mark):
-            if _is_empty(leaf):  # not saved (see save): rebuilt below
-                return None
-            stored = saved.get(_names(keys))
-            if stored is None:  # orbax names the missing leaf
-                return leaf
-            if stored.dtype is not None and np.dtype(stored.dtype) != np.dtype(leaf.dtype):
-                # Orbax would cast silently, but a state of another dtype is another model.
-                raise ValueError(
-                    f"{jax.tree_util.keystr(keys)} was saved as {np.dtype(stored.dtype)} and the "
-                    f"target asks for {np.dtype(leaf.dtype)}: give the target the saved dtypes"
-                )
-            if mark and tuple(stored.shape) != leaf.shape:  # read it whole, redistribute below
-                return jax.ShapeDtypeStruct(tuple(stored.shape), leaf.dtype)
-            return leaf
-
+        saved, entries = _by_name(tree), [described.get(manifest.key(k)) for k, _ in flat]
         wanted = [
-            request(keys, leaf, mark)
-            for (keys, _), leaf, mark in zip(flat, abstract, marks, strict=True)
+            _request(path, keys, leaf, mark, saved.get(manifest.key(keys)), entry)
+            for (keys, _), leaf, mark, entry in zip(flat, abstract, marks, entries, strict=True)
         ]
-        try:
-            restored = checkpointer.restore(
-                path, args=ocp.args.StandardRestore(treedef.unflatten(wanted))
-            )
-        except ValueError as error:
-            if "NOT_FOUND" not in str(error):
-                raise
-            raise _incomplete(path, error) from error
-    leaves = []
-    for value, leaf, asked in zip(treedef.flatten_up_to(restored), abstract, wanted, strict=True):
-        leaves.append(_zeros(leaf) if asked is None else _redistribute(value, leaf))
+        # Orbax stores each array in a folder named after its path, joined with dots.
+        folders = {".".join(manifest.key(keys)): jax.tree_util.keystr(keys) for keys, _ in flat}
+        values = storage.read(checkpointer, path, treedef.unflatten(wanted), folders)
+    values = treedef.flatten_up_to(values)
+    # Checked as read, before any redistribution; zero-size leaves were not saved.
+    checked = zip(entries, values, wanted, strict=True)
+    manifest.verify_all(path, [(e, value) for e, value, asked in checked if asked is not None])
+    leaves = [
+        _zeros(leaf) if asked is None else _redistribute(value, leaf) if mark else value
+        for value, leaf, asked, mark in zip(values, abstract, wanted, marks, strict=True)
+    ]
     _check_finite(leaves, marks)
     restored = _converted(treedef.unflatten(leaves), target)
     _check_ratios(restored, target)
     return restored
 
 
+def _by_name(metadata) -> dict:
+    """Orbax's metadata of every saved leaf, by :func:`manifest.key` of its path.
+
+    The metadata tree has dicts for NamedTuples, lists for tuples and str keys
+    for int ones: leaves are matched by their paths' names, not by order.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(metadata, is_leaf=_has_shape)[0]
+    return {manifest.key(keys): leaf for keys, leaf in flat}
+
+
+def _request(path: str, keys, leaf, mark: bool, stored, entry: manifest.Leaf | None):
+    """What orbax reads for one target leaf, after checking it against the saved one.
+
+    None for a zero-size leaf (not saved); the saved shape, unsharded, for a
+    residual saved on another number of devices (redistributed after).
+    """
+    if _is_empty(leaf):
+        return None
+    if stored is None:  # orbax names the missing leaf
+        return leaf
+    name, (shape, dtype) = jax.tree_util.keystr(keys), _shape_dtype(leaf)
+    if entry is None:
+        raise manifest.incomplete(path, f"its manifest has no entry for {name}")
+    saved_shape, saved_dtype = tuple(stored.shape), np.dtype(stored.dtype or dtype)
+    if saved_dtype != dtype:
+        # Orbax would cast silently, but a state of another dtype is another model.
+        raise ValueError(
+            f"{name} was saved as {saved_dtype} and the target asks for {dtype}: give the "
+            "target the saved dtypes"
+        )
+    if mark:
+        _check_residual(name, saved_shape, entry.device_shape, leaf)
+    elif saved_shape != shape:  # orbax would fail naming neither the leaf nor the model
+        raise ValueError(
+            f"{name} was saved with shape {saved_shape} and the target's is {shape}: the "
+            "model changed; give the target the saved shapes"
+        )
+    if saved_shape != shape:  # read it whole, redistribute after
+        return jax.ShapeDtypeStruct(saved_shape, dtype)
+    return leaf
+
+
+def _check_residual(name: str, saved_shape: tuple, saved_device: tuple | None, target) -> None:
+    """Raises where a residual leaf was saved for another model leaf than ``target``'s.
+
+    A device's residual has its model leaf's shape, so another number of
+    devices changes only the global first axis. Where the target gives no
+    sharding (a layout being converted, an abstract leaf) only the other axes
+    are compared.
+    """
+    sharding = getattr(target, "sharding", None)
+    device = None if sharding is None else tuple(sharding.shard_shape(target.shape))
+    if saved_shape[1:] == tuple(target.shape[1:]) and (
+        None in (device, saved_device) or device == saved_device
+    ):
+        return
+    saved = f"{saved_shape}" + (f", {saved_device} per device" if saved_device else "")
+    wanted = f"{tuple(target.shape)}" + (f", {device} per device" if device else "")
+    raise ValueError(
+        f"{name} is a per-device residual saved as {saved} and the target's is {wanted}: a "
+        "device's residual is shaped like its model leaf, so the model changed; restore it "
+        "into the model it was saved with"
+    )
+
+
 def _subtree(tree, names: tuple):
-    """The node of a metadata tree (dicts and lists) at ``names``, or None."""
+    """The node of a metadata tree (dicts and lists) at ``names`` (of ``manifest.key``), or None."""
     for name in names:
         try:
-            tree = tree[name]
-        except (KeyError, IndexError, TypeError):
+            tree = tree[int(name)] if isinstance(tree, list) else tree[name]
+        except (KeyError, IndexError, TypeError, ValueError):
             return None
     return tree
 
 
 def _leaf_names(tree, is_leaf=None) -> set:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    return {_names(keys) for keys, leaf in flat if not _is_empty(leaf)}
+    return {manifest.key(keys) for keys, leaf in flat if not _is_empty(leaf)}
 
 
 def _as_saved(target, saved):
@@ -269,7 +274,7 @@ def _as_saved(target, saved):
     def as_saved(keys, node):
         if not _is_state(node) or node.residual is None:
             return node
-        stored = _subtree(saved, (*_names(keys), "residual"))
+        stored = _subtree(saved, (*manifest.key(keys), "residual"))
         if stored is None or _leaf_names(stored, _has_shape) == _leaf_names(node.residual):
             return node  # the same layout (orbax names anything missing)
         shape = jax.tree.map(
@@ -393,11 +398,6 @@ def _is_state(node) -> bool:
 
 def _has_shape(node) -> bool:
     return hasattr(node, "shape") and hasattr(node, "dtype")
-
-
-def _names(keys) -> tuple:
-    """A key path as plain names and indices (NamedTuple field == dict key)."""
-    return tuple(getattr(k, "name", getattr(k, "key", getattr(k, "idx", None))) for k in keys)
 
 
 def _redistribute(value, target):

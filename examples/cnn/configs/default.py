@@ -9,7 +9,11 @@ from examples.common.config import Config, option
 @dataclasses.dataclass
 class CNNConfig(Config):
     dataset: str = option("digits", "images to classify", choices=DATASETS)
-    data_dir: str | None = option(None, "directory of the mnist or cifar10 files")
+    data_dir: str | None = option(
+        None,
+        "directory of the mnist or cifar10 files (cifar10's are Python pickles, loaded with "
+        "pickle as torchvision does: a pickle can run any code, so give a directory you trust)",
+    )
     widths: tuple[int, ...] = option((32, 64), "channels of each stage of residual blocks", min=1)
 
 
