@@ -99,7 +99,7 @@ def methods(n: int, ratio: float) -> dict:
 
 
 def in_hand(state, x: jax.Array, ratio: float):
-    """The default ``adaptation="fill"``'s state with a last threshold that 2x the capacity of ``x`` pass.
+    """The default ``adaptation="fill"``'s state with a last threshold 2x the capacity passes.
 
     The update then takes the path of a step whose last threshold is still in
     hand (no fit, no bracket): a selection 4x the capacity wide and the pick of
