@@ -117,6 +117,7 @@ def _through_data_parallel_step(tx, stream, accumulator_axis=(NODE, LOCAL)):
     return history, state
 
 
+@pytest.mark.slow
 def test_hierarchical_accumulation_runs_through_data_parallel_step(rng):
     # Defect: with an inner_axis, state_specs split the accumulator over "node" only, but
     # it is filled before the compressor's inner mean and differs across "local": the
@@ -141,6 +142,7 @@ def test_hierarchical_accumulation_runs_through_data_parallel_step(rng):
     assert state.inner[0].residual["b"].sharding.spec == P(NODE)
 
 
+@pytest.mark.slow
 def test_hierarchical_accumulation_is_the_mean_over_devices_and_micro_steps(rng):
     tx = optax.chain(sidco.dense(axis_name=NODE, inner_axis=LOCAL), optax.sgd(1.0))
     stream = gradient_stream(rng, 4)
