@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
                         flush=True,
                     )
     elif args.mode == "launches":
-        methods = args.methods or ["sidco-e", "sidco-p", "sidco-gp", "topk", "dgc", "dense"]
+        methods = args.methods or METHODS
         print("| method | layout | 1 leaf | 16 leaves | 161 leaves |\n|---|---|---:|---:|---:|")
         for method in methods:
             for layout in LAYOUTS:
