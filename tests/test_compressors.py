@@ -185,38 +185,6 @@ def test_dense_passes_gradients_through(rng):
     m = sidco.metrics(state)
     # The mean is taken in float32, as every compressor's: 4 bytes per entry on the wire.
     assert float(m["density"]) == 1.0 and int(m["bytes"]) == (10 + 3) * 4
-    _, state = tx.update({"a": g["a"] * np.nan, "b": g["b"]}, state)
-    assert bool(sidco.metrics(state)["nonfinite"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", FACTORIES)
-def test_nonfinite_gradients_never_poison_any_residual(rng, name):
-    tx = FACTORIES[name](0.05)
-    g = rng.normal(size=2000).astype(np.float32)
-    state = tx.init(g)
-    _, state = tx.update(g, state)
-    before = np.asarray(state.residual)
-    sent, state = tx.update(np.where(np.arange(2000) == 7, np.nan, g), state)
-    assert not np.any(np.asarray(sent)) and bool(sidco.metrics(state)["nonfinite"])
-    np.testing.assert_array_equal(state.residual, before)
-
-
-@pytest.mark.parametrize(
-    ("factory", "kwargs", "message"),
-    [
-        (sidco.topk, {"ratio": 0.0}, "ratio must be in"),
-        (sidco.dgc, {"ratio": 2.0}, "ratio must be in"),
-        (sidco.dgc, {"ratio": 0.1, "sample_ratio": 0.0}, "sample_ratio must be in"),
-        (sidco.redsync, {"ratio": 0.1, "tolerance": 0.0}, r"tolerance must be in \(0, 1\)"),
-        (sidco.redsync, {"ratio": 0.1, "capacity_factor": 0.9}, "capacity_factor must be >= 1"),
-        (sidco.gaussiank, {"ratio": float("nan")}, "ratio must be in"),
-        (sidco.randomk, {"ratio": 0.1, "granularity": "row"}, "granularity must be one of"),
-    ],
-)
-def test_baselines_reject_bad_arguments(factory, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        factory(**kwargs)
 
 
 @pytest.mark.slow
@@ -321,11 +289,3 @@ def test_metrics_refuses_to_guess_between_two_compressor_states():
     with pytest.raises(ValueError, match="holds 2 sidco_jax compressor states"):
         sidco.metrics(state)
     assert float(sidco.metrics(state[1])["density"]) == pytest.approx(0.1)  # top-k sent 10
-
-
-def test_dense_skips_a_nonfinite_step_like_the_compressors():
-    tx = sidco.dense()
-    g = jnp.array([1.0, jnp.inf, 2.0])
-    out, state = tx.update(g, tx.init(g))
-    np.testing.assert_array_equal(out, jnp.zeros(3))
-    assert bool(sidco.metrics(state)["nonfinite"]) and float(sidco.metrics(state)["density"]) == 0

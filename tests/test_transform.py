@@ -88,48 +88,12 @@ def test_metrics_match_a_numpy_oracle(rng):
     assert int(m["stages"]) == 2 and int(m["step"]) == 1 and not bool(m["nonfinite"])
 
 
-def test_nonfinite_gradient_never_poisons_the_residual(rng):
-    tx = sidco.compress(0.1)
-    g = rng.normal(size=1000).astype(np.float32)
-    state = tx.init(g)
-    _, state = tx.update(g, state)
-    before = np.asarray(state.residual)
-    for bad in (np.nan, np.inf):
-        sent, state = tx.update(np.where(np.arange(1000) == 3, bad, g), state)
-        assert not np.any(np.asarray(sent)) and bool(sidco.metrics(state)["nonfinite"])
-        np.testing.assert_array_equal(state.residual, before)
-    sent, state = tx.update(g, state)
-    assert np.isfinite(np.asarray(state.residual)).all() and np.any(np.asarray(sent))
-    assert not bool(sidco.metrics(state)["nonfinite"])
-
-
 def test_zero_gradients_give_zero_updates():
     tx = sidco.compress(0.01, estimator="gamma")
     params = {"a": jnp.zeros(1000), "b": jnp.zeros((3, 3))}
     sent, state = tx.update(params, tx.init(params))
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(sent))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"ratio": 0.0}, "ratio must be in"),
-        ({"ratio": 1.5}, "ratio must be in"),
-        ({"ratio": float("nan")}, "ratio must be in"),
-        ({"ratio": 0.01, "estimator": "weibull"}, "estimator must be one of"),
-        ({"ratio": 0.001, "stages": 0}, r"stages must be an integer in \[1, 10\]"),
-        ({"ratio": 0.001, "stages": 11}, r"stages must be an integer in \[1, 10\]"),
-        ({"ratio": 0.01, "capacity_factor": 0.5}, "capacity_factor must be >= 1, got 0.5"),
-        ({"ratio": 0.01, "granularity": "layer"}, "granularity must be one of"),
-        ({"ratio": 0.01, "adaptation": "pid"}, "adaptation must be None or one of"),
-        ({"ratio": 0.01, "period": 0}, r"period must be an integer in \[1, 2\*\*31 - 1\], got 0"),
-        ({"ratio": 0.01, "band": 1.5}, r"band must be in \(0, 1\)"),
-    ],
-)
-def test_bad_arguments_fail_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        sidco.compress(**kwargs)
 
 
 WRAPPED = {  # the compressor inside each optax wrapper metrics() must see through
