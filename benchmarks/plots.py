@@ -48,7 +48,7 @@ def trees_updates(record: dict, out: Path) -> list[Path]:
     rows = record["rows"]
     ratios = list(dict.fromkeys(row["ratio"] for row in rows))
     figure, axes = plt.subplots(
-        1, len(ratios), figsize=(7 * len(ratios), 4.5), squeeze=False, sharey=True
+        1, len(ratios), figsize=(8.5 * len(ratios), 4.5), squeeze=False, sharey=True
     )
     for axis, ratio in zip(axes[0], ratios, strict=True):
         chosen = [row for row in rows if row["ratio"] == ratio]
@@ -76,7 +76,7 @@ def trees_updates(record: dict, out: Path) -> list[Path]:
         )
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set(yscale="log", title=f"ratio {ratio:g}", ylabel="update time / top-k's")
-        axis.legend(fontsize=7, ncol=2)
+        axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     meta = record.get("meta", {})
     if meta:
         figure.suptitle(
