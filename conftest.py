@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles far more than it computes: LLVM's cheaper pipeline cut a
 # compile-bound file's time by 30%, and XLA's legacy CPU fusion emitters, which
 # compile faster than the default MLIR ones, cut the quick tier's to 0.7x
-# (docs/benchmarks.md, "The test suite"; they run slower, so they are for the
+# (docs/design.md, "The test suite"; they run slower, so they are for the
 # suite only). They change the generated machine code, and with it the last bit of
 # some float results, never XLA's HLO passes; every bit-for-bit comparison in
 # the suite runs under these same flags (the multiprocess workers inherit them),

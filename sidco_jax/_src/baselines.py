@@ -273,7 +273,7 @@ def randomk(
     ``n / k`` entries (give or take one) and one uniformly random entry is
     taken from each, so every entry is sent with probability about ``k / n``,
     no entry twice, at ``O(k)`` cost (``jax.random.choice`` without
-    replacement permutes all ``n`` entries: 132 ms at n = 2^18 here). The
+    replacement permutes all ``n`` entries, docs/design.md). The
     indices follow from the seed and the step count, so only the ``k`` float32
     values need to travel: across devices they are averaged by a ``psum`` of
     ``k`` floats (``bytes`` counts 4 per entry).

@@ -6,9 +6,9 @@ costs far more than a pass over them) and reduces over all their entries.
 
 XLA merges identical sub-expressions of several reductions over the same array
 and then materialises the shared elementwise producer (``|x|``, a broadcast
-zero, ...) as a full-size temporary. On the CPU backend of jax 0.10 a count
-plus a sum over 2^24 floats then took ~25 ms where each alone takes ~2-4 ms
-(docs/benchmarks.md). Each reduction here is fed through
+zero, ...) as a full-size temporary: on XLA's CPU backend a count plus a sum
+then cost several times what each costs alone (docs/design.md, "Thresholds and
+passes"). Each reduction here is fed through
 ``lax.optimization_barrier`` together with the previous result: nothing can
 be shared, every pass reads its input directly, and the passes run in order.
 Scalars, including the zero used by ``relu``, travel through the barrier too,
@@ -119,8 +119,7 @@ def block_words(
     n = x.shape[0]
     full = n // WORD
     # XLA's CPU backend runs the row reduction fast only over a row count it can
-    # split evenly: over 350,027 rows (an 11.2M-entry vector) it took 12.3 ms, over
-    # 350,016 rows and the last 11 apart 3.3 ms (docs/benchmarks.md).
+    # split evenly, so the last few rows are reduced apart (docs/design.md).
     body = full - full % _ALIGN
     count = full + (1 if n % WORD else 0)
     token = jnp.zeros((), jnp.float32) if after is None else after
@@ -157,12 +156,11 @@ def _row_sums(
     """Sums of the arrays ``elementwise(v, zero, *scalars)`` returns, in one pass per operand.
 
     One variadic row reduction over rows of ``width`` entries sums every
-    output together (separate passes cost about twice as much on XLA's CPU
-    backend), then the rows are summed; each output keeps its own dtype. The
-    best width depends on the number of outputs: on jax 0.10's CPU backend
-    two outputs ran fastest over rows of 128 (SIDCo-E's 10 stages 1.25x faster
-    than over rows of 16), three 2x faster over rows of 16 than of 32, nine
-    1.5x slower over 16 than over 32 (docs/benchmarks.md).
+    output together (separate passes cost more on XLA's CPU backend), then the
+    rows are summed; each output keeps its own dtype. The best width depends on
+    the number of outputs: on XLA's CPU backend two outputs run fastest over
+    rows of 128, three over rows of 16, nine over rows of 32 (measured:
+    docs/design.md).
     """
     token = jnp.zeros((), jnp.float32) if after is None else after
     totals = None

@@ -21,7 +21,7 @@ pass over ``n`` plus ``O(n / 32 + capacity * (48 + log n + leaves))``, and
 every step is a dense vector operation that maps to GPU and TPU as well.
 Entries past the capacity are not sent and are reported as overflow, so an
 error-feedback residual keeps them. Formulations tried and their timings are
-in ``docs/benchmarks.md``.
+in ``docs/design.md``.
 """
 
 import functools
@@ -50,8 +50,8 @@ from sidco_jax._src.base import (
 
 _TRI = 64  # width of the triangular matmuls of the cumulative sum
 # Words per group of the global prefix: the prefix and its search run over n / 512
-# groups, not n / 32 words (7% off the payload of 2^24 entries on XLA's CPU backend,
-# docs/benchmarks.md); each slot then finds its word among its group's 16.
+# groups, not n / 32 words (a cheaper payload on XLA's CPU backend, docs/design.md);
+# each slot then finds its word among its group's 16.
 _GROUP = 16
 
 
@@ -86,7 +86,7 @@ def _cumsum(counts: jax.Array, bound: int) -> jax.Array:
 
     Rows of ``_TRI`` entries are summed by a float32 matmul with a triangular
     matrix (exact while ``_TRI * bound < 2**24``), the row totals recursively.
-    XLA's own cumsum on CPU is ~5x slower.
+    XLA's own cumsum on CPU is several times slower (docs/design.md).
     """
     m = counts.shape[0]
     if m <= 4 * _TRI or _TRI * bound >= 2**24:
@@ -170,9 +170,8 @@ def _searchsorted(sorted_counts: jax.Array, targets: jax.Array) -> jax.Array:
     """``jnp.searchsorted(..., side="left")``, in the form each backend runs fastest.
 
     The default form is a ``while`` loop of ``log2 n`` steps: on a GPU each
-    step is a launch and a host round trip, and unrolling it saved 0.4-0.5 ms
-    of a 2.3-2.9 ms update on an H200; on XLA's CPU backend the unrolled form
-    took 2.3x as long (docs/benchmarks.md).
+    step is a launch and a host round trip, so the unrolled form is faster
+    there; on XLA's CPU backend the loop is (measured: docs/design.md).
     """
     search = functools.partial(jnp.searchsorted, sorted_counts, targets, side="left")
     return lax.platform_dependent(
@@ -185,7 +184,7 @@ def _nth_bit(words: jax.Array, rank: jax.Array) -> jax.Array:
 
     A binary search on population counts, halves of 16, 8, 4, 2 and 1 bits:
     five elementwise steps. Counting the bits below each of the 32 positions
-    instead took 14x as long at 45,000 words on XLA's CPU backend.
+    instead took far longer on XLA's CPU backend (docs/design.md).
     """
     position = jnp.zeros(words.shape, jnp.int32)
     for width in (16, 8, 4, 2, 1):
@@ -313,7 +312,7 @@ def largest(
     values = jnp.pad(gather(vectors, idx), (0, pad))
     indices = jnp.pad(idx, (0, pad), constant_values=n)
     # jnp.min, not mags[-1]: slicing top_k's output sent XLA's CPU backend down a
-    # path ~30x slower (63 ms against 2 ms at n = 2^18, k = 2621).
+    # far slower path (docs/design.md).
     # count from ``selected`` (data), not a constant: under shard_map a constant
     # is device-invariant and lax.cond in dgc needs both branches to vary alike.
     selected = jnp.asarray(selected, jnp.int32)

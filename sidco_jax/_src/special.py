@@ -8,7 +8,7 @@ Wilson-Hilferty or the tail asymptotes and falling back to bisection whenever
 a step leaves the bracket. It stops once every step is below float32 noise (at
 most ``_ITERATIONS``): each evaluation of ``Q`` or ``P`` is a data-dependent
 loop of its own, which on a GPU costs a kernel launch and a host round trip
-per iteration (0.2-0.4 ms a Newton step on an H200). Jittable and vectorised.
+per iteration (docs/design.md). Jittable and vectorised.
 """
 
 import jax

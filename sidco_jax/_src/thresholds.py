@@ -134,11 +134,10 @@ _FIRST: dict[str, Callable] = {
 # SAMPLE_BLOCK entries of every SAMPLE_EVERY x SAMPLE_BLOCK (a shorter tail is
 # left out). Those stages only choose where the next one starts, and each stage
 # aims at the final count from its own count of what passes, so the last stage,
-# which reads every entry, puts the result on target: sampled and whole, the
-# thresholds passed within 3% of each other on the LSTM's gradients
-# (docs/benchmarks.md). A sampled stage cost a quarter of a pass. The period,
-# 8,064 entries, is no power of two, so in a kernel whose rows are a power of
-# two long the blocks fall at many column offsets, not always the same ones.
+# which reads every entry, puts the result on target, close to where all-whole
+# stages land, for a fraction of a pass per stage (measured: docs/design.md).
+# The period, 8,064 entries, is no power of two, so in a kernel whose rows are a
+# power of two long the blocks fall at many column offsets, not always the same.
 # Vectors shorter than SAMPLE_MIN periods are read whole: they cost little, and
 # their sample would be small.
 SAMPLE_EVERY = 8
