@@ -1,9 +1,11 @@
-"""The example trainers' optimizer, command line, comparison and loaders (train_test.py trains)."""
+"""The example trainers' steps, optimizer, CLI, comparison and loaders (train_test.py trains)."""
 
 import gzip
+import importlib
 import pathlib
 import pickle
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -12,7 +14,7 @@ import pytest
 import sidco_jax as sidco
 from examples.cnn import input_pipeline
 from examples.cnn import main as cnn_main
-from examples.common import compare, training
+from examples.common import compare, parallel, training
 from examples.lm import input_pipeline as text_pipeline
 from examples.lm import main as lm_main
 
@@ -29,6 +31,33 @@ def test_optimizer_chains_the_compressor_before_sgd():
     want = -config.learning_rate * np.where(np.asarray(updates["w"]) != 0, grads["w"], 0)
     np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
     assert isinstance(state[1][0], optax.TraceState)  # momentum after the compressor
+
+
+# The CNN's in the quick tier, as the main job's trainer; the LSTM's (5 s) in the slow one.
+@pytest.mark.parametrize("example", ["cnn", pytest.param("lm", marks=pytest.mark.slow)])
+def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(example):
+    train = importlib.import_module(f"examples.{example}.train")
+    task, config = training.example(f"{example}:tiny")
+    mesh = parallel.mesh(config.devices)
+    tx = training.create_optimizer(config, "sidco-e")
+    data = np.random.default_rng(config.seed)
+    size = config.batch_per_device * config.devices
+    batches = [sidco.place(task.sample(data, size), mesh, jax.P(parallel.AXIS)) for _ in range(3)]
+
+    def three_steps(create_step):
+        params = sidco.place(task.init(config.seed), mesh)
+        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+        step, losses = create_step(opt_state), []
+        for batch in batches:
+            params, opt_state, loss = step(params, opt_state, batch)
+            losses.append(loss)
+        return params, opt_state, losses
+
+    written_out = three_steps(lambda state: train.create_train_step(task.loss, tx, state, mesh))
+    library = three_steps(
+        lambda state: sidco.data_parallel_step(task.loss, tx, state, mesh, parallel.AXIS)
+    )
+    chex.assert_trees_all_equal(written_out, library)  # residuals and momentum included
 
 
 def _write_idx(path, array, compress=False):
