@@ -14,6 +14,7 @@ perplexity. A label is a registry name with options after a colon::
 import argparse
 import ast
 import dataclasses
+import importlib
 import json
 import os
 import pathlib
@@ -47,13 +48,13 @@ def main(argv=None) -> list[dict]:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import numpy as np
 
-    from examples.common import loop, parallel
+    from examples.common import training
 
-    task, config = loop.example(f"{args.trainer}:default")
+    task, config = training.example(f"{args.trainer}:default")
     config = dataclasses.replace(
         config, ratio=args.ratio, steps=args.steps, progress=False, eval_every=args.steps
     )
-    mesh = parallel.mesh(config.devices)
+    trainer = importlib.import_module(f"examples.{args.trainer}.train")
 
     rows = []
     print(f"\n{args.trainer}, ratio {args.ratio}, {args.steps} steps, {args.seeds} seed(s)\n")
@@ -63,7 +64,7 @@ def main(argv=None) -> list[dict]:
     print("|---|---:|---:|---:|---:|---:|")
     for label in args.labels:
         runs = [
-            run(label, dataclasses.replace(config, seed=seed), task, mesh, args.skip)
+            run(label, dataclasses.replace(config, seed=seed), trainer, task, args.skip)
             for seed in range(args.seeds)
         ]
         rows.extend(runs)
@@ -81,26 +82,13 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-def run(label: str, config, task, mesh, skip: int) -> dict:
-    """One training run of the compressor ``label`` names: its figures after ``skip`` steps."""
+def run(label: str, config, trainer, task, skip: int) -> dict:
+    """One run of ``trainer`` with the compressor of ``label``: its figures after ``skip`` steps."""
     import numpy as np
-    import optax
-
-    import sidco_jax as sidco
-    from examples.common import loop, parallel
 
     name, options = parse_label(label)
-    tx = optax.chain(
-        sidco.compressor(name, config.ratio, axis_name=parallel.AXIS, **options),
-        optax.sgd(config.learning_rate, momentum=config.momentum),
-    )
-    params = sidco.place(task.init(config.seed), mesh)
-    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
-    step = sidco.data_parallel_step(
-        task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
-    )
     with tempfile.TemporaryDirectory() as workdir:
-        history = loop.fit(config, task, name, step, params, opt_state, mesh, pathlib.Path(workdir))
+        history = trainer.train_and_evaluate(config, workdir, name, task=task, options=options)
     achieved = np.asarray(history.achieved)
     tail = achieved[skip:]
     start = options.get("warmup_steps", 0)

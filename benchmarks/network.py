@@ -113,7 +113,7 @@ def worker(spec: dict) -> None:
     """One process of the job: measures every (compressor, ratio) and writes its JSON."""
     import jax
 
-    from examples.common.loop import example
+    from examples.common.training import example
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_compilation_cache_dir", spec["cache"])

@@ -66,7 +66,7 @@ from jax import lax
 
 import sidco_jax as sidco
 from benchmarks import host
-from examples.common.loop import example  # the examples' models, for real parameter trees
+from examples.common.training import example  # the examples' models, for real parameter trees
 from sidco_jax._src import thresholds
 
 ROOT = Path(__file__).resolve().parent.parent

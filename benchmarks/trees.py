@@ -74,7 +74,7 @@ def gpt2() -> list[tuple[int, ...]]:
 
 def lstm() -> list[tuple[int, ...]]:
     """The example LSTM's (``lm:large``) parameter shapes."""
-    from examples.common.loop import example
+    from examples.common.training import example
 
     task, config = example("lm:large")
     return [tuple(np.shape(p)) for p in jax.tree.leaves(task.init(config.seed))]

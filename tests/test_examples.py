@@ -1,17 +1,63 @@
-"""The example trainers' command line, report and loaders (each train_test.py runs its trainer)."""
+"""The example trainers' steps, optimizer, CLI, comparison and loaders (train_test.py trains)."""
 
 import gzip
+import importlib
 import pathlib
 import pickle
 
+import chex
+import jax
 import numpy as np
+import optax
 import pytest
 
+import sidco_jax as sidco
 from examples.cnn import input_pipeline
 from examples.cnn import main as cnn_main
-from examples.common import report
+from examples.common import compare, parallel, training
 from examples.lm import input_pipeline as text_pipeline
 from examples.lm import main as lm_main
+
+
+def test_optimizer_chains_the_compressor_before_sgd():
+    _, config = training.example("cnn:tiny")
+    tx = training.create_optimizer(config, "sidco-e", axis_name=None)
+    params = {"w": np.zeros(1000, np.float32)}
+    grads = {"w": np.linspace(-1, 1, 1000, dtype=np.float32)}
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    sent = np.count_nonzero(updates["w"])  # no axis: the local sparsified step
+    assert 0 < sent <= sidco.capacity(1000, config.ratio)
+    want = -config.learning_rate * np.where(np.asarray(updates["w"]) != 0, grads["w"], 0)
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
+    assert isinstance(state[1][0], optax.TraceState)  # momentum after the compressor
+
+
+# The CNN's in the quick tier, as the main job's trainer; the LSTM's (5 s) in the slow one.
+@pytest.mark.parametrize("example", ["cnn", pytest.param("lm", marks=pytest.mark.slow)])
+def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(example):
+    train = importlib.import_module(f"examples.{example}.train")
+    task, config = training.example(f"{example}:tiny")
+    mesh = parallel.mesh(config.devices)
+    tx = training.create_optimizer(config, "sidco-e")
+    data = np.random.default_rng(config.seed)
+    size = config.batch_per_device * config.devices
+    batches = [sidco.place(task.sample(data, size), mesh, jax.P(parallel.AXIS)) for _ in range(3)]
+
+    def three_steps(create_step):
+        params = sidco.place(task.init(config.seed), mesh)
+        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+        step, losses = create_step(opt_state), []
+        for batch in batches:
+            params, opt_state, loss = step(params, opt_state, batch)
+            losses.append(loss)
+        return params, opt_state, losses
+
+    written_out = three_steps(lambda state: train.create_train_step(task.loss, tx, state, mesh))
+    library = three_steps(
+        lambda state: sidco.data_parallel_step(task.loss, tx, state, mesh, parallel.AXIS)
+    )
+    chex.assert_trees_all_equal(written_out, library)  # residuals and momentum included
 
 
 def _write_idx(path, array, compress=False):
@@ -163,14 +209,14 @@ def test_help_explains_every_flag_and_keeps_the_examples_as_written(main, capsys
 
 
 def test_smoothing_invents_no_values_at_the_ends():
-    constant = report.smooth(np.full(25, 0.79))  # the raw density at step 1 in the issue
+    constant = compare.smooth(np.full(25, 0.79))  # the raw density at step 1 in the issue
     np.testing.assert_allclose(constant, 0.79, rtol=1e-15)
-    assert report.smooth([1.0, 2.0, 3.0]).tolist() == [2.0, 2.0, 2.0]  # shorter than a window
+    assert compare.smooth([1.0, 2.0, 3.0]).tolist() == [2.0, 2.0, 2.0]  # shorter than a window
     ramp = np.arange(30.0)
-    got = report.smooth(ramp, window=10)
+    got = compare.smooth(ramp, window=10)
     np.testing.assert_allclose(got[10:20], ramp[10:20] - 0.5)  # the full window, centred
     assert got[0] == np.mean(ramp[:5]) and got[-1] == np.mean(ramp[24:])  # shrunk, not padded
-    assert report.smooth([3.0]).tolist() == [3.0]
+    assert compare.smooth([3.0]).tolist() == [3.0]
 
 
 def test_a_series_of_one_point_gets_a_marker():
@@ -180,6 +226,6 @@ def test_a_series_of_one_point_gets_a_marker():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
-    assert report.line(ax, [3], [1.5], "x").get_marker() == "o"
-    assert report.line(ax, [1, 2], [1.5, 2.0], "y").get_marker() in (None, "None", "")
+    assert compare.line(ax, [3], [1.5], "x").get_marker() == "o"
+    assert compare.line(ax, [1, 2], [1.5, 2.0], "y").get_marker() in (None, "None", "")
     plt.close(fig)

@@ -23,7 +23,7 @@ import pytest
 import sidco_jax as sidco
 from examples.cnn import main, train
 from examples.cnn.configs import tiny
-from examples.common import checkpoints, loop, parallel
+from examples.common import checkpoints, parallel, training
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +86,9 @@ def final_state(folder):
     task = train.create_task(config)
     mesh = parallel.mesh(config.devices)
     params = sidco.place(task.init(config.seed), mesh)
-    opt_state = sidco.shard_init(train.create_optimizer(config, "sidco-e"), params, mesh, "data")
-    history = loop.History("sidco-e")
+    tx = training.create_optimizer(config, "sidco-e")
+    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+    history = training.History("sidco-e")
     params, opt_state, _ = checkpoints.restore(folder, STEPS, params, opt_state, history)
     return params, opt_state, dataclasses.replace(history, seconds_per_step=0.0)
 

@@ -7,7 +7,7 @@ examples:
   python -m examples.cnn.main --dataset mnist --data-dir ~/data/mnist
 """
 
-from examples.common import cli
+from examples.common import cli, compare
 
 FROM_DIRECTORY = ("mnist", "cifar10")  # datasets read from --data-dir
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None):
     config, workdir = cli.parse("examples.cnn.configs", argv, description=__doc__, check=check)
     from examples.cnn import train  # after cli.parse: it sets the forced CPU device count
 
-    return train.train_and_evaluate(config, workdir)
+    return compare.train_and_compare(train, config, workdir)
 
 
 if __name__ == "__main__":

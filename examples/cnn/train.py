@@ -1,12 +1,17 @@
-"""CNN image classification, data-parallel with a sidco_jax compressor (library code).
+"""CNN image classification, data-parallel, with one sidco_jax compressor.
 
-``train_and_evaluate(config, workdir)`` trains the model of ``models.py`` on
-the dataset of ``input_pipeline.py`` once per compressor of the config, with
-the same batches and seed, and writes ``results.json``, a summary table
-(``summary.md``), plots and, at ``capture_steps``, whole-model gradients.
+``train_and_evaluate(config, workdir, compressor)`` trains the model of
+``models.py`` on the dataset of ``input_pipeline.py`` and evaluates it on the
+test set. Its step, :func:`create_train_step`, is the one to read: each device
+takes the gradient of its own shard of the batch, and the compressor, first in
+the optax chain, sends the entries that matter and averages them over the
+devices. ``main.py`` runs it once per compressor and compares them
+(:mod:`examples.common.compare`); what the loop calls around the step
+(batches, history, evaluation, checkpoints) is :class:`examples.common.training.Run`.
 """
 
 import pathlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +20,11 @@ from flax import nnx
 
 import sidco_jax as sidco
 from examples.cnn import input_pipeline, models
-from examples.common import loop, parallel, report
+from examples.common import parallel, training
 
 
-def create_task(config) -> loop.Task:
-    """The classification :class:`~examples.common.loop.Task` for ``config``."""
+def create_task(config) -> training.Task:
+    """The classification :class:`~examples.common.training.Task` for ``config``."""
     data = input_pipeline.load(config.dataset, config.data_dir)
     classes = int(data.train_y.max()) + 1
     graphdef, _ = nnx.split(
@@ -52,36 +57,71 @@ def create_task(config) -> loop.Task:
         )
         return hits / len(data.test_x)
 
-    return loop.Task(init, loss, sample, evaluate, "accuracy")
+    return training.Task(init, loss, sample, evaluate, "accuracy")
 
 
-def create_optimizer(
-    config, compressor: str, axis_name: str | None = parallel.AXIS
-) -> optax.GradientTransformation:
-    """The compressor, averaging over the devices of ``axis_name``, then SGD with momentum.
+def create_train_step(loss, tx: optax.GradientTransformation, opt_state, mesh) -> Callable:
+    """The jitted data-parallel step: ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
-    ``axis_name=None`` gives the same optimizer on one device, with no communication.
+    The parameters are replicated, the batch is split over the devices and the
+    optimizer state keeps one error-feedback residual per device, as
+    :func:`sidco_jax.shard_init` made it (:func:`sidco_jax.state_specs`).
     """
-    return optax.chain(
-        sidco.compressor(compressor, config.ratio, axis_name=axis_name),
-        optax.sgd(config.learning_rate, momentum=config.momentum),
+    axis = parallel.AXIS
+    state_specs = sidco.state_specs(opt_state, axis)
+
+    def train_step(params, opt_state, batch):  # on each device, with its shard of the batch
+        # Varying parameters keep the gradient this device's own: replicated ones would
+        # make the backward pass sum it densely over the devices before compression.
+        varying = jax.lax.pcast(params, axis, to="varying")
+        value, grads = jax.value_and_grad(loss)(varying, batch)
+        # The compressor sends the entries that matter and averages them over `axis`.
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, jax.lax.pmean(value, axis)
+
+    train_step = jax.shard_map(
+        train_step,
+        mesh=mesh,
+        in_specs=(jax.P(), state_specs, jax.P(axis)),
+        out_specs=(jax.P(), state_specs, jax.P()),
     )
+    return jax.jit(train_step, donate_argnums=1)  # the state's buffers are reused in place
 
 
-def train_and_evaluate(config, workdir: str | pathlib.Path) -> list[loop.History]:
-    """Trains every compressor of ``config``; writes results, summary and plots to ``workdir``."""
-    workdir = pathlib.Path(workdir)
-    task = create_task(config)
+def train_and_evaluate(
+    config,
+    workdir: str | pathlib.Path,
+    compressor: str = "sidco-e",
+    *,
+    task: training.Task | None = None,
+    options: dict | None = None,
+) -> training.History:
+    """Trains with ``compressor`` for ``config.steps`` steps, evaluating on the test set.
+
+    Args:
+      config: the options (``configs/``).
+      workdir: where captured gradients go (``--capture-steps``).
+      compressor: a name of ``sidco_jax.COMPRESSORS``.
+      task: :func:`create_task`'s, if already made (comparing compressors loads the data once).
+      options: keywords of :func:`sidco_jax.compressor` (``{"warmup_steps": 50}``, ...).
+
+    Returns:
+      The run's history: loss, density and test accuracy over the steps.
+    """
+    task = create_task(config) if task is None else task
     mesh = parallel.mesh(config.devices)
-    histories = []
-    for name in config.compressors:
-        tx = create_optimizer(config, name)
-        params = sidco.place(task.init(config.seed), mesh)  # replicated on every device
-        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)  # a residual per device
-        # Per device: gradient of its shard of the batch, compressed update, apply.
-        train_step = sidco.data_parallel_step(
-            task.loss, tx, opt_state, mesh, parallel.AXIS, donate_state=True
-        )
-        histories.append(loop.fit(config, task, name, train_step, params, opt_state, mesh, workdir))
-    report.write(config, task, histories, workdir)
-    return histories
+    tx = training.create_optimizer(config, compressor, **(options or {}))
+    params = sidco.place(task.init(config.seed), mesh)  # replicated on every device
+    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)  # a residual per device
+    train_step = create_train_step(task.loss, tx, opt_state, mesh)
+
+    run = training.Run(config, task, compressor, mesh, workdir)
+    train_step = run.compile(train_step, params, opt_state)  # bytes sent per step, from its HLO
+    params, opt_state = run.resume(params, opt_state)  # from --checkpoint-dir, if saved there
+    for t in run.steps():
+        host, batch = run.batch()
+        run.capture(t, params, opt_state, host)  # at --capture-steps
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        run.record(t, params, opt_state, loss)  # evaluates and checkpoints when due
+    return run.finish()

@@ -2,8 +2,9 @@
 
 The same code runs on forced CPU devices, on GPUs and across processes
 (``jax.distributed``): the mesh spans ``jax.devices()`` and each device
-computes the gradient of its shard of the batch. The step itself is
-:func:`sidco_jax.data_parallel_step`, written out in each ``train.py``.
+computes the gradient of its shard of the batch. The step itself is written
+out in each ``train.py`` (``create_train_step``); the library offers the same
+step as :func:`sidco_jax.data_parallel_step`.
 """
 
 from collections.abc import Callable

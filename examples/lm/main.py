@@ -5,7 +5,7 @@ examples:
   python -m examples.lm.main --text my_corpus.txt --compressors dense sidco-p topk
 """
 
-from examples.common import cli
+from examples.common import cli, compare
 
 
 def main(argv: list[str] | None = None):
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None):
     config, workdir = cli.parse("examples.lm.configs", argv, description=__doc__)
     from examples.lm import train  # after cli.parse: it sets the forced CPU device count
 
-    return train.train_and_evaluate(config, workdir)
+    return compare.train_and_compare(train, config, workdir)
 
 
 if __name__ == "__main__":

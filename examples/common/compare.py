@@ -1,10 +1,18 @@
-"""Results of the runs of :func:`examples.common.loop.fit`: JSON, a summary table and plots."""
+"""Comparing compressors: one trainer's run per compressor, then a table, plots and JSON.
 
+:func:`train_and_compare` calls a trainer's ``train_and_evaluate`` once per
+compressor of the config, on the same task (data, batches and seed), and
+writes ``results.json``, ``summary.md`` and the plots.
+"""
+
+import dataclasses
+import json
 import pathlib
+import types
 
 import numpy as np
 
-from examples.common import loop
+from examples.common.training import History, Task
 
 SMOOTHING = 10  # steps in the moving average of the loss and density plots
 
@@ -17,7 +25,33 @@ LEGEND = """\
 - s/step: wall-clock seconds per step, evaluation and checkpoints included, compilation excluded"""
 
 
-def table(histories: list[loop.History], metric: str, ratio: float, held_out: str = "test") -> str:
+def train_and_compare(trainer: types.ModuleType, config, workdir) -> list[History]:
+    """Trains every compressor of ``config`` with ``trainer``; writes and prints the comparison.
+
+    Args:
+      trainer: an example's ``train`` module (``create_task``, ``train_and_evaluate``).
+      config: the options; ``config.compressors`` are trained in turn.
+      workdir: where results, summary, plots and captured gradients go.
+
+    Returns:
+      The histories, one per compressor.
+    """
+    task = trainer.create_task(config)  # loaded once, trained on by every compressor
+    histories = [
+        trainer.train_and_evaluate(config, workdir, name, task=task) for name in config.compressors
+    ]
+    write(config, task, histories, workdir)
+    return histories
+
+
+def save(config, metric: str, histories: list[History], workdir: pathlib.Path) -> None:
+    """Writes ``results.json``: the config, the metric's name and every history."""
+    record = {"config": dataclasses.asdict(config), "metric": metric}
+    record["runs"] = [dataclasses.asdict(h) for h in histories]
+    (workdir / "results.json").write_text(json.dumps(record, indent=1))
+
+
+def table(histories: list[History], metric: str, ratio: float, held_out: str = "test") -> str:
     """A Markdown table: final metric, loss, density, bytes and time per step of every run."""
     dense = next((h for h in histories if h.compressor == "dense"), None)
     lines = [
@@ -39,7 +73,7 @@ def table(histories: list[loop.History], metric: str, ratio: float, held_out: st
 
 
 def plots(
-    histories: list[loop.History], metric: str, workdir: str | pathlib.Path, held_out: str = "test"
+    histories: list[History], metric: str, workdir: str | pathlib.Path, held_out: str = "test"
 ) -> list[pathlib.Path]:
     """Writes ``loss.png``, ``<metric>.png`` and ``density.png``; returns their paths."""
     import matplotlib
@@ -107,14 +141,14 @@ def smooth(values, window: int = SMOOTHING) -> np.ndarray:
     return np.array([values[max(f, 0) : f + window].mean() for f in first]).reshape(-1)
 
 
-def write(config, task: loop.Task, histories: list[loop.History], workdir) -> None:
+def write(config, task: Task, histories: list[History], workdir) -> None:
     """Writes ``results.json``, ``summary.md`` and the plots to ``workdir``; prints the summary.
 
     The last line printed says where the files are.
     """
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    loop.save(config, task.metric, histories, workdir)
+    save(config, task.metric, histories, workdir)
     summary = table(histories, task.metric, config.ratio, task.held_out)
     (workdir / "summary.md").write_text(summary + "\n")
     images = plots(histories, task.metric, workdir, task.held_out)
