@@ -33,8 +33,8 @@ def test_optimizer_chains_the_compressor_before_sgd():
     assert isinstance(state[1][0], optax.TraceState)  # momentum after the compressor
 
 
-# The CNN's in the quick tier, as the main job's trainer; the LSTM's (5 s) in the slow one.
-@pytest.mark.parametrize("example", ["cnn", pytest.param("lm", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["cnn", "lm"])
 def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(example):
     train = importlib.import_module(f"examples.{example}.train")
     task, config = training.example(f"{example}:tiny")
