@@ -55,8 +55,8 @@ def main(argv=None) -> None:
     print("| variant | micro-step (ms, median) | p25-p75 | collectives in the step |")
     print("|---|---:|---:|---|")
     for label, tx in variants(args.ratio, args.every_k).items():
-        state = sidco.shard_init(tx, params, mesh, AXIS)
-        specs = sidco.state_specs(state, AXIS)
+        state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
+        specs = sidco.parallel.state_specs(state, AXIS)
         # MultiSteps' accumulator varies across devices but is not marked per device.
         if isinstance(state, optax.MultiStepsState):
             specs = specs._replace(acc_grads=P(AXIS))
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
             return tx.update(g[0], state, params)
 
         compiled = step.lower(state, grads).compile()
-        kinds = [c.kind for c in sidco.hlo_collectives(compiled)]
+        kinds = [c.kind for c in sidco.hlo.collectives(compiled)]
         times = []
         for i in range(args.repeats * args.every_k):
             start = time.perf_counter()

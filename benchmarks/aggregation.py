@@ -3,7 +3,7 @@
 Compiles the compressor's update (SIDCo-E) on a gradient of 2^20 float32
 entries in two leaves under ``jax.shard_map`` over ``P`` forced CPU devices,
 for every ``communication`` mode, and reads the collectives XLA emitted
-(``sidco.hlo_collectives``). A device receives ``(P - 1) / P`` of an
+(``sidco.hlo.collectives``). A device receives ``(P - 1) / P`` of an
 all-gather's or all-to-all's result and, in a ring all-reduce, twice that; the
 step's agreed figures (a psum of a few scalars) are listed apart. Each row is
 set against ``sidco.costs.received_bytes``, the model ``"auto"`` decides with.
@@ -37,18 +37,18 @@ MODES = ("dense", "sparse", "sparse_allreduce")
 FIGURES = 64  # bytes: collectives this small carry the step's agreed figures
 
 
-def received(collective: sidco.Collective) -> float:
+def received(collective: sidco.hlo.Collective) -> float:
     """Bytes one device receives from the others in ``collective``."""
     share = (collective.group_size - 1) / collective.group_size
     factor = 2 if collective.kind == "all-reduce" else 1  # ring: reduce-scatter + all-gather
     return factor * share * collective.result_bytes
 
 
-def collectives(tx, mesh, state_axis, data_axes) -> list[sidco.Collective]:
+def collectives(tx, mesh, state_axis, data_axes) -> list[sidco.hlo.Collective]:
     """The collectives of ``tx.update`` compiled under ``shard_map`` on ``mesh``."""
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-    state = sidco.shard_init(tx, params, mesh, state_axis)
-    specs = sidco.state_specs(state, state_axis)
+    state = sidco.parallel.shard_init(tx, params, mesh, state_axis)
+    specs = sidco.parallel.state_specs(state, state_axis)
     devices = mesh.devices.size
 
     @functools.partial(
@@ -62,7 +62,7 @@ def collectives(tx, mesh, state_axis, data_axes) -> list[sidco.Collective]:
         k: jax.ShapeDtypeStruct((devices, *s), jnp.float32, sharding=split)
         for k, s in SHAPES.items()
     }
-    return sidco.hlo_collectives(jax.jit(step).lower(state, grads).compile())
+    return sidco.hlo.collectives(jax.jit(step).lower(state, grads).compile())
 
 
 def flat_rows(ratios, device_counts) -> list[dict]:

@@ -2,7 +2,7 @@
 
 Compiles one data-parallel training step of an MLP (784-1024-256-10, 1.07M
 parameters) under ``jax.shard_map`` over 8 forced CPU devices for every
-compressor, lists the collectives XLA emitted (``sidco.hlo_collectives``) and
+compressor, lists the collectives XLA emitted (``sidco.hlo.collectives``) and
 times the step (median over repetitions, compressors run round-robin).
 
     python benchmarks/communication.py --ratios 0.01 0.001 --repeats 20
@@ -58,8 +58,8 @@ def loss(params, x, y):
 
 def build(compressor, mesh, params):
     tx = optax.chain(compressor, optax.sgd(0.01))
-    state = sidco.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
+    state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
+    specs = sidco.parallel.state_specs(state, AXIS)
 
     @jax.jit
     @functools.partial(
@@ -95,7 +95,7 @@ def main() -> None:
         runs = {}
         for name, compressor in compressors(ratio).items():
             step, state = build(compressor, mesh, params)
-            found = sidco.hlo_collectives(step.lower(params, state, x, y).compile())
+            found = sidco.hlo.collectives(step.lower(params, state, x, y).compile())
             jax.block_until_ready(step(params, state, x, y))
             runs[name] = (step, state, found, [])
         for _ in range(args.repeats):

@@ -66,7 +66,7 @@ def data(log2_n: int, seed: int) -> jax.Array:
 
 def stages(ratio: float) -> int:
     """The stage count used for every SIDCo variant: ``STAGES`` clipped to the ceiling."""
-    return min(STAGES, sidco.max_stages(ratio))
+    return min(STAGES, sidco.stats.max_stages(ratio))
 
 
 def methods(n: int, ratio: float) -> dict:

@@ -118,7 +118,7 @@ def settings(ratio: float) -> dict:
             out[f"sidco-{name} M={m}"] = sidco.compress(
                 ratio, estimator=estimator, stages=m, adaptation=None
             )
-        for rule in sidco.RULES:
+        for rule in sidco.ADAPTATIONS:
             for start in (1, 3):
                 out[f"sidco-{name} {rule} from {start}"] = sidco.compress(
                     ratio, estimator=estimator, stages=start, adaptation=rule

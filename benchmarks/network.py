@@ -167,11 +167,11 @@ def _setup(task, config, name: str, ratio: float, batches: int):
     else:
         mesh = parallel.mesh(devices)
         data_axes = state_axis = parallel.AXIS
-    params = sidco.place(task.init(config.seed), mesh)
-    placed = [sidco.place(b, mesh, jax.P(data_axes)) for b in host]
+    params = sidco.parallel.place(task.init(config.seed), mesh)
+    placed = [sidco.parallel.place(b, mesh, jax.P(data_axes)) for b in host]
     tx = _optimizer(name, ratio, config, parallel.AXIS)
-    opt_state = sidco.shard_init(tx, params, mesh, state_axis)
-    step = sidco.data_parallel_step(
+    opt_state = sidco.parallel.shard_init(tx, params, mesh, state_axis)
+    step = sidco.parallel.data_parallel_step(
         task.loss, tx, opt_state, mesh, data_axes, state_axis=state_axis, donate_state=True
     )
     step, sent = parallel.compile_step(step, params, opt_state, placed[0])

@@ -215,7 +215,7 @@ def kernels(n: int, ratio: float, stages: list[int], capacity_factor: float) -> 
     }
     for name, estimator in VARIANTS.items():
         for m in stages:
-            if m > 1 and m > sidco.max_stages(ratio):
+            if m > 1 and m > sidco.stats.max_stages(ratio):
                 continue
 
             def compress(x, estimator=estimator, m=m):
@@ -233,7 +233,7 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
     """
     n = size(grads)
     cap = sidco.capacity(n, ratio)
-    stages = min(3, sidco.max_stages(ratio))
+    stages = min(3, sidco.stats.max_stages(ratio))
 
     def bare(g):
         eta = sidco.threshold(g, ratio, stages=stages)
@@ -243,7 +243,7 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
     memory = {}
     txs = {label: compressor(label, ratio) for label in LABELS}
     # Training moves SIDCo's stage count (see steps()): its update at the ceiling too.
-    most = sidco.max_stages(ratio)
+    most = sidco.stats.max_stages(ratio)
     txs[f"sidco-e, {most} stages fixed"] = sidco.compress(ratio, stages=most, adaptation=None)
     for label, tx in txs.items():
         calls[label], jitted = carried(tx.update, tx.init(grads))
@@ -566,8 +566,8 @@ def over_axis(grads, ratio: float, names: list[str]) -> tuple[dict, tuple]:
     calls = {}
     for name in names:
         tx = compressor(name, ratio, axis_name="data")
-        state = sidco.shard_init(tx, jax.tree.map(lambda g: g[0], stacked), mesh, "data")
-        specs = sidco.state_specs(state, "data")
+        state = sidco.parallel.shard_init(tx, jax.tree.map(lambda g: g[0], stacked), mesh, "data")
+        specs = sidco.parallel.state_specs(state, "data")
 
         def local(g, state, tx=tx):
             # The state first: donated, its buffers go to the first outputs of their shape.

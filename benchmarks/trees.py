@@ -37,7 +37,6 @@ import numpy as np
 import sidco_jax as sidco
 from benchmarks import host
 from benchmarks.overhead import carried, compressor, measure, one_pass
-from sidco_jax._src.hlo import hlo_launches
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("tree", "buckets")
@@ -117,7 +116,7 @@ def launch_counts(method: str, layout: str, leaves: int, total: int = 2**22) -> 
     params = {f"{i:03d}": jax.ShapeDtypeStruct((s,), jnp.float32) for i, s in enumerate(sizes)}
     tx = compressor(method, 0.01, layout=layout)
     compiled = jax.jit(tx.update).lower(params, jax.eval_shape(tx.init, params)).compile()
-    return sum(hlo_launches(compiled.as_text()).values())
+    return sum(sidco.hlo.launches(compiled).values())
 
 
 def compile_one(method: str, layout: str) -> dict:

@@ -1,11 +1,12 @@
-"""Distribution fits and quantiles behind SIDCo's thresholds.
+"""The distribution fits and quantiles behind SIDCo's thresholds.
 
-Users rarely call these directly (:func:`sidco_jax.threshold` does); they are
-public for analysis and tests, as ``optax.losses`` keeps its family apart.
-Each law has a fit from data (``fit_*``, optionally masked), a fit from the
-sums a streaming pass produces (``*_from_sums``) and an inverse survival
-function (``*_isf``); ``gammaincinv``/``gammainccinv`` invert the regularised
-incomplete gamma functions, which ``jax.scipy.special`` lacks.
+Users rarely call these directly (:func:`sidco_jax.threshold` does, and
+:func:`max_stages` bounds its stage count); they are public for analysis and
+tests, as ``optax.losses`` keeps its family apart. Each law has a fit from
+data (``fit_*``, optionally masked), a fit from the sums a streaming pass
+produces (``*_from_sums``) and an inverse survival function (``*_isf``);
+``gammaincinv``/``gammainccinv`` invert the regularised incomplete gamma
+functions, which ``jax.scipy.special`` lacks.
 """
 
 from sidco_jax._src.fits import (
@@ -23,6 +24,7 @@ from sidco_jax._src.fits import (
     gpareto_isf,
 )
 from sidco_jax._src.special import gammainccinv, gammaincinv
+from sidco_jax._src.thresholds import max_stages
 
 __all__ = [
     "ExponentialFit",
@@ -39,4 +41,5 @@ __all__ = [
     "gammaincinv",
     "gpareto_from_sums",
     "gpareto_isf",
+    "max_stages",
 ]

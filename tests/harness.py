@@ -66,10 +66,10 @@ def run_shard_map(tx, stream, devices=DEVICES, start=None):
     mesh = mesh_of(devices)
     if start is None:
         params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
-        state = sidco.shard_init(tx, params, mesh, AXIS)
+        state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
     else:
         params, state = start
-    specs = sidco.state_specs(state, AXIS)
+    specs = sidco.parallel.state_specs(state, AXIS)
 
     @jax.jit
     @functools.partial(
@@ -101,7 +101,7 @@ def per_device_step(tx, mesh, state, axes=AXIS):
     tests can compare the replicas. The state has the specs of ``state``, its
     residual split over ``AXIS``.
     """
-    specs = sidco.state_specs(state, AXIS)
+    specs = sidco.parallel.state_specs(state, AXIS)
 
     @jax.jit
     @functools.partial(
@@ -174,16 +174,16 @@ def least_squares_state(
     x = data.normal(size=(devices * per_device, features)).astype(np.float32)
     y = (x @ data.normal(size=features) + 0.1 * data.normal(size=len(x))).astype(np.float32)
 
-    x, y = sidco.place((x, y), mesh, P(data_axes))
-    params = sidco.place(np.zeros(features, np.float32), mesh)
+    x, y = sidco.parallel.place((x, y), mesh, P(data_axes))
+    params = sidco.parallel.place(np.zeros(features, np.float32), mesh)
     tx = optax.chain(compressor, optax.sgd(0.05))
-    state = sidco.shard_init(tx, params, mesh, axis)
+    state = sidco.parallel.shard_init(tx, params, mesh, axis)
 
     def loss(w, batch):
         x, y = batch
         return jnp.mean((x @ w - y) ** 2)
 
-    step = sidco.data_parallel_step(loss, tx, state, mesh, data_axes, state_axis=axis)
+    step = sidco.parallel.data_parallel_step(loss, tx, state, mesh, data_axes, state_axis=axis)
 
     for _ in range(steps):
         params, state, _ = step(params, state, (x, y))

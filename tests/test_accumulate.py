@@ -88,31 +88,31 @@ def test_under_shard_map_the_boundary_compresses_the_mean_of_each_devices_micro_
         chex.assert_trees_all_equal(updates[2 * i], jax.tree.map(jnp.zeros_like, ref_updates[i]))
         chex.assert_trees_all_equal(updates[2 * i + 1], ref_updates[i])
         chex.assert_trees_all_equal(states[2 * i + 1].inner, ref_states[i])
-    assert sidco.state_specs(states[0], AXIS).accumulator == {k: P(AXIS) for k in "bvw"}
+    assert sidco.parallel.state_specs(states[0], AXIS).accumulator == {k: P(AXIS) for k in "bvw"}
 
 
 NODE, LOCAL = "node", "local"
 
 
 def _through_data_parallel_step(tx, stream, accumulator_axis=(NODE, LOCAL)):
-    """``tx`` in ``sidco.data_parallel_step`` on a 2 x 4 mesh, the batch split over both axes.
+    """``tx`` in ``sidco.parallel.data_parallel_step`` on a 2 x 4 mesh, the batch split over both.
 
     The loss is linear in the parameters, so each device's gradient is its row
     of the step's gradients. The residuals are split over ``NODE``. Returns the
     parameters after every step and the last state.
     """
     mesh = jax.make_mesh((2, 4), (NODE, LOCAL))
-    params = sidco.place(params_tree(), mesh)
-    state = sidco.shard_init(tx, params, mesh, NODE, accumulator_axis=accumulator_axis)
+    params = sidco.parallel.place(params_tree(), mesh)
+    state = sidco.parallel.shard_init(tx, params, mesh, NODE, accumulator_axis=accumulator_axis)
 
     def loss(params, rows):
         pairs = zip(jax.tree.leaves(params), jax.tree.leaves(rows), strict=True)
         return sum(jnp.sum(p * r[0]) for p, r in pairs)
 
-    step = sidco.data_parallel_step(loss, tx, state, mesh, (NODE, LOCAL), state_axis=NODE)
+    step = sidco.parallel.data_parallel_step(loss, tx, state, mesh, (NODE, LOCAL), state_axis=NODE)
     history = []
     for grads in stream:
-        params, state, _ = step(params, state, sidco.place(grads, mesh, P((NODE, LOCAL))))
+        params, state, _ = step(params, state, sidco.parallel.place(grads, mesh, P((NODE, LOCAL))))
         history.append(params)
     return history, state
 
@@ -162,7 +162,7 @@ def test_an_accumulator_split_otherwise_than_the_step_splits_it_is_refused(rng):
     message = (
         "opt_state.accumulator['b'] must have shape (320,) (one accumulator per device, split "
         "over ('node', 'local'): 8 devices), got (80,): make the state with "
-        "sidco.shard_init(tx, params, mesh, 'node', accumulator_axis=('node', 'local'))"
+        "sidco.parallel.shard_init(tx, params, mesh, 'node', accumulator_axis=('node', 'local'))"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         _through_data_parallel_step(tx, gradient_stream(rng, 1), accumulator_axis=None)
@@ -201,8 +201,8 @@ def test_the_compiled_micro_step_has_no_collective(name):
         optax.chain(sidco.compressor(name, 0.05, axis_name=AXIS), optax.sgd(0.1)), 4
     )
     mesh = mesh_of()
-    state = sidco.shard_init(tx, params_tree(), mesh, AXIS)
-    specs = sidco.state_specs(state, AXIS)
+    state = sidco.parallel.shard_init(tx, params_tree(), mesh, AXIS)
+    specs = sidco.parallel.state_specs(state, AXIS)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(), specs))
@@ -216,10 +216,10 @@ def test_the_compiled_micro_step_has_no_collective(name):
     # with an integer index its branches are (false: micro-step, true: boundary).
     (line,) = [x for x in computations["ENTRY"].splitlines() if " conditional(" in x]
     micro, boundary = re.search(r"branch_computations=\{%([\w.\-]+), %([\w.\-]+)\}", line).groups()
-    assert sidco.hlo_collectives(_reachable(computations, boundary))  # the message is there
+    assert sidco.hlo.collectives(_reachable(computations, boundary))  # the message is there
     # Everything a micro-step runs: the entry computation and the micro branch.
-    assert sidco.hlo_collectives(_reachable(computations, "ENTRY", skip={boundary})) == []
-    assert sidco.hlo_collectives(_reachable(computations, micro)) == []
+    assert sidco.hlo.collectives(_reachable(computations, "ENTRY", skip={boundary})) == []
+    assert sidco.hlo.collectives(_reachable(computations, micro)) == []
 
 
 def test_nothing_is_lost_through_accumulation(rng):

@@ -39,7 +39,7 @@ def targets(params, state, devices):
     saved = len(jax.tree.leaves(state[0].residual)[0].sharding.device_set)
     shardings = (
         jax.tree.map(lambda _: NamedSharding(mesh, P()), params),
-        sidco.state_shardings(state, mesh, AXIS),
+        sidco.parallel.state_shardings(state, mesh, AXIS),
     )
 
     def resize(leaf, residual):
@@ -47,7 +47,7 @@ def targets(params, state, devices):
         shape = (devices * leaf.shape[0] // saved, *leaf.shape[1:]) if residual else leaf.shape
         return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
-    marks = (jax.tree.map(lambda _: False, params), sidco.is_residual(state))
+    marks = (jax.tree.map(lambda _: False, params), sidco.parallel.is_residual(state))
     shapes = jax.tree.map(resize, abstract, marks)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -82,7 +82,9 @@ def test_restoring_on_fewer_devices_keeps_the_owed_update(tmp_path, rng, devices
     tx = optimizer()
     _, states, params = run_shard_map(tx, gradient_stream(rng, 4))
     sidco.save(tmp_path / "ckpt", (params, states[-1]))
-    with pytest.warns(sidco.ResidualWarning, match=f"saved on 8 devices restored on {devices}"):
+    with pytest.warns(
+        sidco.checkpoint.ResidualWarning, match=f"saved on 8 devices restored on {devices}"
+    ):
         got_params, got_state = sidco.restore(
             tmp_path / "ckpt", targets(params, states[-1], devices)
         )
@@ -272,7 +274,7 @@ def test_a_dtype_mismatch_is_refused(tmp_path):
 def test_another_ratio_warns_when_the_target_holds_values(tmp_path):
     saved = small_state(0.02)
     sidco.save(tmp_path / "ckpt", saved)
-    with pytest.warns(sidco.RatioWarning, match=r"\[1\]\[0\].*ratio 0\.02.*ratio 0\.05"):
+    with pytest.warns(sidco.checkpoint.RatioWarning, match=r"\[1\]\[0\].*ratio 0\.02.*ratio 0\.05"):
         _, state = sidco.restore(tmp_path / "ckpt", small_state(0.05))
     assert float(state[0].last.target_density) == np.float32(0.02)  # as saved
     with warnings.catch_warnings():
@@ -291,7 +293,7 @@ def test_a_residual_with_nonfinite_entries_warns_at_restore(tmp_path):
     bad = state[0].residual["w"].at[2].set(jnp.nan).at[5].set(jnp.inf)
     residual = dict(state[0].residual, w=bad)
     sidco.save(tmp_path / "bad", (params, (state[0]._replace(residual=residual), state[1])))
-    with pytest.warns(sidco.ResidualWarning, match="hold 2 non-finite entries"):
+    with pytest.warns(sidco.checkpoint.ResidualWarning, match="hold 2 non-finite entries"):
         _, restored = sidco.restore(tmp_path / "bad", (params, state))
     _, after = tx.update(params, restored, params)
     assert int(sidco.metrics(after)["dropped"]) == 2
@@ -322,7 +324,7 @@ def test_a_checkpoint_moves_between_layouts_and_training_goes_on(tmp_path, rng, 
     _, states, params = run_shard_map(layout_optimizer(saved), stream[:4])
     sidco.save(tmp_path / "ckpt", (params, states[-1]))
     mesh = mesh_of()
-    target = (params, sidco.shard_init(layout_optimizer(restored), params, mesh, AXIS))
+    target = (params, sidco.parallel.shard_init(layout_optimizer(restored), params, mesh, AXIS))
     back = sidco.restore(tmp_path / "ckpt", target)
     assert jax.tree.structure(back) == jax.tree.structure(target)
     for got, want in zip(*(jax.tree.leaves(t[1][0].residual) for t in (back, target)), strict=True):
@@ -427,7 +429,7 @@ def compressor_state(shape, devices):
     """The state of compress(0.1) for one ``shape`` leaf, on the first ``devices`` devices."""
     mesh = mesh_of(devices)
     params = jax.device_put({"w": jnp.ones(shape)}, NamedSharding(mesh, P()))
-    return sidco.shard_init(sidco.compress(0.1, axis_name=AXIS), params, mesh, AXIS)
+    return sidco.parallel.shard_init(sidco.compress(0.1, axis_name=AXIS), params, mesh, AXIS)
 
 
 @pytest.mark.parametrize(

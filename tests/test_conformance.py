@@ -303,7 +303,7 @@ def test_every_compressor_survives_hostile_input_on_8_devices(
     tx = sidco.compressor(name, 0.1, axis_name=AXIS, **options)
     mesh = mesh_of(DEVICES)
     params = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in LEAVES.items()}
-    state = sidco.shard_init(tx, params, mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
     step = per_device_step(tx, mesh, state)
 
     for scenario, make, poisoned, skipped in SCENARIOS:

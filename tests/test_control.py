@@ -14,11 +14,11 @@ import sidco_jax as sidco
 from sidco_jax._src import control
 
 
-def run(rule, response, windows, stages=3, max_stages=6, period=5):
+def run(adaptation, response, windows, stages=3, max_stages=6, period=5):
     """Closes the loop: each step reports ``response(stages)``; returns stages per window."""
     adapt = jax.jit(
         lambda s, c, r: control.adapt(
-            s, c, r, rule=rule, period=period, band=0.2, max_stages=max_stages
+            s, c, r, adaptation=adaptation, period=period, band=0.2, max_stages=max_stages
         )
     )
     s, c = jnp.int32(stages), control.init()
@@ -30,18 +30,18 @@ def run(rule, response, windows, stages=3, max_stages=6, period=5):
     return out
 
 
-def test_paper_rule_moves_one_stage_per_window_and_clamps():
+def test_paper_adaptation_moves_one_stage_per_window_and_clamps():
     assert run("paper", lambda m: 3.0, 4) == [2, 1, 1, 1]
     assert run("paper", lambda m: 0.1, 5) == [4, 5, 6, 6, 6]
     assert run("paper", lambda m: 1.15, 3) == [3, 3, 3]  # inside the band
 
 
 def test_directional_rule_reverses_after_a_move_that_did_not_help():
-    # Data on which more stages lower the count: the paper rule runs the wrong way.
+    # Data on which more stages lower the count: the paper adaptation runs the wrong way.
     fewer_is_better = {1: 1.0, 2: 0.7, 3: 0.5, 4: 0.3, 5: 0.2, 6: 0.1}.get
     assert run("paper", fewer_is_better, 5) == [4, 5, 6, 6, 6]
     assert run("directional", fewer_is_better, 5) == [4, 3, 2, 1, 1]
-    # One stage over-selects: the paper rule asks for fewer stages and is stuck.
+    # One stage over-selects: the paper adaptation asks for fewer stages and is stuck.
     over = {1: 4.0, 2: 2.5, 3: 1.5, 4: 1.1, 5: 1.0, 6: 1.0}.get
     assert run("paper", over, 5, stages=1) == [1, 1, 1, 1, 1]
     assert run("directional", over, 5, stages=1) == [1, 2, 3, 4, 4]
@@ -76,7 +76,9 @@ def test_stage_rules_average_what_was_sent_not_what_was_selected():
 
 
 def test_partial_window_does_not_decide():
-    adapt = lambda s, c, r: control.adapt(s, c, r, rule="paper", period=5, band=0.2, max_stages=6)  # noqa: E731
+    def adapt(s, c, r):
+        return control.adapt(s, c, r, adaptation="paper", period=5, band=0.2, max_stages=6)
+
     s, c = jnp.int32(3), control.init()
     for _ in range(4):
         s, c = adapt(s, c, jnp.float32(10.0))
@@ -164,7 +166,7 @@ def test_bracket_falls_back_to_its_ends_and_keeps_a_zero_threshold():
     )
 
 
-def test_fill_fills_where_the_paper_rule_does_not_without_recompiling(rng):
+def test_fill_fills_where_the_paper_adaptation_does_not_without_recompiling(rng):
     tx = sidco.compress(0.01, adaptation="fill")
     paper = sidco.compress(0.01, adaptation="paper")
     g = rng.standard_t(3, size=20_000).astype("float32")
@@ -207,7 +209,7 @@ def test_fill_factor_is_the_same_on_every_device(rng):
     tx = sidco.compress(0.01, adaptation="fill", axis_name=AXIS)
     mesh = mesh_of(DEVICES)
     params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
-    state = sidco.shard_init(tx, params, mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
     # A factor of 1/16 centres the bracket far too low: the devices select far
     # more than FILL_OVER x their capacity, so the factor goes up, from the
     # devices' summed figures.

@@ -235,12 +235,12 @@ def _train_step(tx, mesh, n):
     """A training step over ``n`` parameters in 8 leaves, data-parallel over ``mesh``."""
     params = jax.device_put(jnp.zeros((8, n // 8)), NamedSharding(mesh, P()))
     params = list(params)  # 8 leaves: XLA fuses the dense psum into one tuple all-reduce
-    state = sidco.shard_init(tx, params, mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
 
     def loss(w, x):
         return jnp.mean((x @ jnp.concatenate(w) - 1.0) ** 2)
 
-    step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS)
+    step = sidco.parallel.data_parallel_step(loss, tx, state, mesh, AXIS)
     x = jax.device_put(jnp.ones((DEVICES, n)), NamedSharding(mesh, P(AXIS)))
     return step.lower(params, state, x).compile()
 
@@ -250,19 +250,19 @@ def test_data_parallel_step_takes_a_batch_however_it_is_placed(rng, given):
     # Defect: a NumPy batch was refused with shard_map's in_specs message, naming nothing.
     mesh = mesh_of()
     tx = optax.chain(sidco.compress(0.1, axis_name=AXIS), optax.sgd(0.1))
-    params = sidco.place(np.zeros(64, np.float32), mesh)
-    state = sidco.shard_init(tx, params, mesh, AXIS)
+    params = sidco.parallel.place(np.zeros(64, np.float32), mesh)
+    state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
 
     def loss(w, batch):
         return jnp.mean((batch["x"] @ w - 1.0) ** 2)
 
-    step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS)
+    step = sidco.parallel.data_parallel_step(loss, tx, state, mesh, AXIS)
     x = rng.normal(size=(2 * DEVICES, 64)).astype(np.float32)
-    want = step(params, state, {"x": sidco.place(x, mesh, P(AXIS))})
+    want = step(params, state, {"x": sidco.parallel.place(x, mesh, P(AXIS))})
     placed = {
         "numpy": lambda: x,
         "default device": lambda: jnp.asarray(x),  # uncommitted (committed: jit refuses)
-        "replicated": lambda: sidco.place(x, mesh),
+        "replicated": lambda: sidco.parallel.place(x, mesh),
     }
     got = step(params, state, {"x": placed[given]()})
     chex.assert_trees_all_equal(got, want)  # parameters, state (residuals included), loss
@@ -274,17 +274,20 @@ def test_compiled_step_communicates_the_payload_not_the_gradient(ratio):
     n = 2**16
     mesh = mesh_of()
     for tx, cap in (
-        (sidco.compress(ratio, axis_name=AXIS, communication="sparse"), sidco.capacity(n, ratio)),
+        (
+            sidco.compress(ratio, axis_name=AXIS, communication="sparse"),
+            sidco.capacity(n, ratio),
+        ),
         (sidco.topk(ratio, axis_name=AXIS, communication="sparse"), int(n * ratio)),
     ):
-        found = sidco.hlo_collectives(_train_step(optax.chain(tx, optax.sgd(0.1)), mesh, n))
+        found = sidco.hlo.collectives(_train_step(optax.chain(tx, optax.sgd(0.1)), mesh, n))
         gathered = sum(c.operand_bytes for c in found if c.kind == "all-gather")
         assert gathered == cap * 8  # float32 values + int32 indices
         assert sum(c.operand_bytes for c in found) < cap * 8 + 64  # + the scalar figures
         assert all(c.group_size == DEVICES for c in found)
-    dense = sidco.hlo_collectives(_train_step(sidco.dense(axis_name=AXIS), mesh, n))
+    dense = sidco.hlo.collectives(_train_step(sidco.dense(axis_name=AXIS), mesh, n))
     assert sum(c.operand_bytes for c in dense if c.kind == "all-reduce") >= 4 * n
     forced = sidco.compress(ratio, axis_name=AXIS, communication="dense")
-    found = sidco.hlo_collectives(_train_step(forced, mesh, n))
+    found = sidco.hlo.collectives(_train_step(forced, mesh, n))
     assert not any(c.kind == "all-gather" for c in found)
     assert sum(c.operand_bytes for c in found) >= 4 * n

@@ -42,11 +42,13 @@ def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(exampl
     tx = training.create_optimizer(config, "sidco-e")
     data = np.random.default_rng(config.seed)
     size = config.batch_per_device * config.devices
-    batches = [sidco.place(task.sample(data, size), mesh, jax.P(parallel.AXIS)) for _ in range(3)]
+    batches = [
+        sidco.parallel.place(task.sample(data, size), mesh, jax.P(parallel.AXIS)) for _ in range(3)
+    ]
 
     def three_steps(create_step):
-        params = sidco.place(task.init(config.seed), mesh)
-        opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)
+        params = sidco.parallel.place(task.init(config.seed), mesh)
+        opt_state = sidco.parallel.shard_init(tx, params, mesh, parallel.AXIS)
         step, losses = create_step(opt_state), []
         for batch in batches:
             params, opt_state, loss = step(params, opt_state, batch)
@@ -55,7 +57,7 @@ def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(exampl
 
     written_out = three_steps(lambda state: train.create_train_step(task.loss, tx, state, mesh))
     library = three_steps(
-        lambda state: sidco.data_parallel_step(task.loss, tx, state, mesh, parallel.AXIS)
+        lambda state: sidco.parallel.data_parallel_step(task.loss, tx, state, mesh, parallel.AXIS)
     )
     chex.assert_trees_all_equal(written_out, library)  # residuals and momentum included
 

@@ -87,7 +87,7 @@ def run_8_devices(tx, grads):
     """One step on 8 devices (``grads`` with a leading device axis); per-device updates."""
     mesh = mesh_of(DEVICES)
     params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
-    state = sidco.shard_init(tx, params, mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
     return per_device_step(tx, mesh, state)(state, grads)
 

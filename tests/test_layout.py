@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 from sidco_jax._src import layout as layout_lib
-from sidco_jax._src.hlo import hlo_launches
 
 # Every kind of leaf the layouts treat apart: one large enough to stay alone in the
 # tree layout, small float32 leaves packed together, bf16 (cast into a float32
@@ -123,7 +122,7 @@ def run_mesh(name, layout, stream, **options):
     mesh = jax.make_mesh((2, 4), (AXIS, inner)) if inner else mesh_of(DEVICES)
     axes = (AXIS, inner) if inner else AXIS
     tx = build(name, layout, axis_name=AXIS, **options)
-    state = sidco.shard_init(tx, params_of(SMALL), mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, params_of(SMALL), mesh, AXIS)
     step = per_device_step(tx, mesh, state, axes)
     out = []
     for grads in stream:
@@ -241,7 +240,7 @@ def launches(name, count) -> int:
     params = leaves_of(count)
     tx = sidco.compressor(name, 0.01, layout="buckets")
     compiled = jax.jit(tx.update).lower(params, jax.eval_shape(tx.init, params)).compile()
-    return sum(hlo_launches(compiled.as_text()).values())
+    return sum(sidco.hlo.launches(compiled).values())
 
 
 def unpacking(count) -> int:
@@ -255,7 +254,7 @@ def unpacking(count) -> int:
     parts = layout_lib.plan(list(params.values()), "buckets", 2**31, by_leaf=False)
     like = list(params.values())
     cut = jax.jit(lambda x: layout_lib.unpack(parts, [x + 1], like))
-    return sum(hlo_launches(cut.lower(jnp.zeros(2**22)).compile().as_text()).values())
+    return sum(sidco.hlo.launches(cut.lower(jnp.zeros(2**22)).compile()).values())
 
 
 @pytest.mark.slow
@@ -282,10 +281,12 @@ def test_data_parallel_step_trains_alike_in_both_layouts(rng):
     results = []
     for layout in ("tree", "buckets"):
         tx = optax.chain(build("sidco-e", layout, axis_name=AXIS), optax.sgd(0.05))
-        params = sidco.place({"w": np.zeros(300, np.float32), "b": np.zeros(1, np.float32)}, mesh)
-        state = sidco.shard_init(tx, params, mesh, AXIS)
-        step = sidco.data_parallel_step(loss, tx, state, mesh, AXIS, donate_state=True)
-        batch = sidco.place((x, y), mesh, P(AXIS))
+        params = sidco.parallel.place(
+            {"w": np.zeros(300, np.float32), "b": np.zeros(1, np.float32)}, mesh
+        )
+        state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
+        step = sidco.parallel.data_parallel_step(loss, tx, state, mesh, AXIS, donate_state=True)
+        batch = sidco.parallel.place((x, y), mesh, P(AXIS))
         for _ in range(5):
             params, state, value = step(params, state, batch)
         results.append((params, float(value)))

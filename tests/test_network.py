@@ -285,7 +285,7 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     # from it (the default starts at 3 and stays within [1, max_stages]).
     assert rows["dense"]["stages"] == [None] * ROUNDS
     assert len(rows["sidco-e"]["stages"]) == ROUNDS
-    assert all(1 <= s <= sidco.max_stages(0.05) for s in rows["sidco-e"]["stages"])
+    assert all(1 <= s <= sidco.stats.max_stages(0.05) for s in rows["sidco-e"]["stages"])
     assert rows["sidco-e"]["hlo_bytes"] < rows["dense"]["hlo_bytes"] / 4
     assert rows["sidco-e"]["wire_bytes"] < rows["dense"]["wire_bytes"]
 

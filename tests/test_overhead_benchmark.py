@@ -150,8 +150,8 @@ def test_axis_rows_with_the_state_donated_carry_it_from_call_to_call(overhead):
     # The same steps written out plainly: shard_map, the state carried, nothing donated.
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     tx = overhead.sidco.compressor("sidco-e", 0.01, axis_name="data")
-    state = overhead.sidco.shard_init(tx, grads, mesh, "data")
-    specs = overhead.sidco.state_specs(state, "data")
+    state = overhead.sidco.parallel.shard_init(tx, grads, mesh, "data")
+    specs = overhead.sidco.parallel.state_specs(state, "data")
     step = jax.jit(
         jax.shard_map(
             lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),

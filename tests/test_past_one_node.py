@@ -79,7 +79,7 @@ def test_entries_beyond_an_owners_slots_stay_with_the_sender(rng):
     grads[:, :128] = rng.integers(1, 9, size=(devices, 128))
     tx = sidco.topk(ratio, axis_name=AXIS, communication="sparse_allreduce")
     mesh = mesh_of(devices)
-    state = sidco.shard_init(tx, jnp.zeros(n), mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, jnp.zeros(n), mesh, AXIS)
     step = _step_1d(tx, mesh, state)
     update, state = step(state, _split(grads, mesh))
     k = int(n * ratio)
@@ -99,7 +99,7 @@ def _split(x, mesh):
 
 
 def _step_1d(tx, mesh, state):
-    specs = sidco.state_specs(state, AXIS)
+    specs = sidco.parallel.state_specs(state, AXIS)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=(P(), specs))
@@ -116,8 +116,8 @@ def _mesh_2x4():
 def _hierarchical_run(tx, stream, mesh, state_axis):
     """``tx`` under shard_map on the 2 x 4 mesh, gradients split over both axes."""
     params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
-    state = sidco.shard_init(tx, params, mesh, state_axis)
-    specs = sidco.state_specs(state, state_axis)
+    state = sidco.parallel.shard_init(tx, params, mesh, state_axis)
+    specs = sidco.parallel.state_specs(state, state_axis)
 
     @jax.jit
     @functools.partial(
@@ -198,9 +198,9 @@ def test_hierarchical_dense_is_the_mean_over_both_axes(rng):
         ),
         ({"inner_axis": "local"}, ValueError, "needs an axis_name"),
         ({"axis_name": "node", "inner_axis": 3}, ValueError, "inner_axis must be None"),
-        ({"link": (1e-6, 1e9)}, TypeError, "link must be None or a sidco_jax.Link"),
-        ({"link": sidco.Link(latency=-1.0)}, ValueError, "link.latency must be"),
-        ({"link": sidco.Link(bandwidth=0.0)}, ValueError, "link.bandwidth must be"),
+        ({"link": (1e-6, 1e9)}, TypeError, "link must be None or a sidco_jax.costs.Link"),
+        ({"link": sidco.costs.Link(latency=-1.0)}, ValueError, "link.latency must be"),
+        ({"link": sidco.costs.Link(bandwidth=0.0)}, ValueError, "link.bandwidth must be"),
         ({"communication": "allreduce"}, ValueError, "communication must be one of"),
     ],
 )
@@ -213,7 +213,7 @@ def test_bad_hierarchy_options_fail_at_construction(kwargs, error, message):
 def test_an_unbound_inner_axis_names_itself():
     mesh = mesh_of(2)
     tx = sidco.compress(0.1, axis_name=AXIS, inner_axis="local")
-    state = sidco.shard_init(tx, jnp.zeros(64), mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, jnp.zeros(64), mesh, AXIS)
     with pytest.raises(NameError, match="axis_name 'local' is not bound"):
         _step_1d(tx, mesh, state)(state, _split(jnp.ones((2, 64)), mesh))
 
@@ -221,13 +221,13 @@ def test_an_unbound_inner_axis_names_itself():
 def test_a_sparse_allreduce_over_more_devices_than_entries_is_refused():
     mesh = mesh_of(8)
     tx = sidco.topk(1.0, axis_name=AXIS, communication="sparse_allreduce")
-    state = sidco.shard_init(tx, jnp.zeros(4), mesh, AXIS)
+    state = sidco.parallel.shard_init(tx, jnp.zeros(4), mesh, AXIS)
     with pytest.raises(ValueError, match="cannot fit them on 8 devices"):
         _step_1d(tx, mesh, state)(state, _split(jnp.ones((8, 4)), mesh))
 
 
 def test_auto_takes_the_cheapest_mode_of_the_model():
-    slow, fast = sidco.Link(5e-6, 1.25e8), sidco.Link(5e-6, 50e9)
+    slow, fast = sidco.costs.Link(5e-6, 1.25e8), sidco.costs.Link(5e-6, 50e9)
     from sidco_jax._src import aggregate
 
     # Few devices: gathering k slots from one other device beats routing 1.5 k.
@@ -251,9 +251,9 @@ def test_the_model_counts_the_bytes_xla_moves(devices, ratio):
     k = sidco.capacity(n, ratio)
     for mode in ("sparse", "dense", "sparse_allreduce"):
         tx = sidco.compress(ratio, axis_name=AXIS, communication=mode)
-        state = sidco.shard_init(tx, jnp.zeros(n), mesh, AXIS)
+        state = sidco.parallel.shard_init(tx, jnp.zeros(n), mesh, AXIS)
         grads = _split(jnp.ones((devices, n)), mesh)
-        found = sidco.hlo_collectives(_step_1d(tx, mesh, state).lower(state, grads).compile())
+        found = sidco.hlo.collectives(_step_1d(tx, mesh, state).lower(state, grads).compile())
         # Results include this device's own share; the figures' psum is 24 bytes or so.
         payload = [c for c in found if c.result_bytes > 64]
         received = sum(c.result_bytes * (devices - 1) / devices for c in payload)

@@ -107,7 +107,8 @@ def test_no_retrace_when_the_threshold_changes(rng):
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"2\*\*31 - 1"):
         jax.eval_shape(
-            lambda x: sidco.sparsify(x, 1.0, 10), jax.ShapeDtypeStruct((2**31,), jnp.float32)
+            lambda x: sidco.sparsify(x, 1.0, 10),
+            jax.ShapeDtypeStruct((2**31,), jnp.float32),
         )
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         sidco.sparsify(jnp.ones(4), 1.0, 0)

@@ -51,7 +51,7 @@ def test_two_stage_exponential_matches_numpy_oracle(rng):
 @pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
 def test_laplace_density_within_ten_percent(rng, estimator, ratio):
     x = rng.laplace(size=2**18).astype(np.float32)
-    for stages in (1, sidco.max_stages(ratio)):
+    for stages in (1, sidco.stats.max_stages(ratio)):
         eta = sidco.threshold(x, ratio, estimator=estimator, stages=stages)
         assert achieved(x, eta, ratio) == pytest.approx(1.0, abs=0.1), stages
 
@@ -273,5 +273,5 @@ def test_bad_arguments():
 
 
 def test_max_stages():
-    assert sidco.max_stages(0.001) == 10 and sidco.max_stages(0.01) == 7
-    assert sidco.max_stages(0.5) == 1 and sidco.max_stages(1.0) == 1
+    assert sidco.stats.max_stages(0.001) == 10 and sidco.stats.max_stages(0.01) == 7
+    assert sidco.stats.max_stages(0.5) == 1 and sidco.stats.max_stages(1.0) == 1

@@ -8,6 +8,7 @@ among the allowed names.
 import functools
 import math
 import re
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +151,7 @@ CASES = [
     bad(sidco.capacity, 10.5, 0.1, error=TypeError, name="size", value="10.5"),
     bad(sidco.capacity, 100, 0.1, capacity_factor=INF, error=ValueError,
         name="capacity_factor", value="inf"),
-    bad(sidco.max_stages, "0.1", error=TypeError, name="ratio", value="'0.1'"),
+    bad(sidco.stats.max_stages, "0.1", error=TypeError, name="ratio", value="'0.1'"),
 ]  # fmt: skip
 
 
@@ -192,8 +193,22 @@ def test_step_counts_name_their_int32_range(build, name, low):
     assert updates.shape == X.shape
 
 
-def test_enough_distinct_bad_inputs():
-    assert len({case.id for case in CASES}) == len(CASES) >= 25
+@pytest.mark.parametrize(
+    ("option", "allowed", "literal"),
+    [
+        ("adaptation", sidco.ADAPTATIONS, sidco.typing.Adaptation),
+        ("communication", sidco.COMMUNICATIONS, sidco.typing.Communication),
+        ("estimator", sidco.ESTIMATORS, sidco.typing.Estimator),
+        ("granularity", sidco.GRANULARITIES, sidco.typing.Granularity),
+        ("layout", sidco.LAYOUTS, sidco.typing.Layout),
+    ],
+)
+def test_each_option_tuple_holds_exactly_what_its_option_accepts(option, allowed, literal):
+    assert typing.get_args(literal) == allowed
+    for value in allowed:
+        sidco.compress(0.01, axis_name="data", **{option: value})
+    with pytest.raises(ValueError, match=rf"{option} must be .*{re.escape(str(allowed))}"):
+        sidco.compress(0.01, axis_name="data", **{option: "bogus"})
 
 
 @pytest.mark.slow
@@ -243,7 +258,7 @@ def test_traced_wrong_types_are_refused_at_trace_time():
 
 def test_traced_stages_are_clipped_to_the_ceiling():
     x = jnp.asarray(np.random.default_rng(1).standard_t(3, size=4000), jnp.float32)
-    top = sidco.max_stages(0.01)
+    top = sidco.stats.max_stages(0.01)
     want = float(sidco.threshold(x, 0.01, stages=top))
     assert want != float(sidco.threshold(x, 0.01, stages=top - 1))  # the ceiling matters
     by_stages = jax.jit(lambda x, m: sidco.threshold(x, 0.01, stages=m))
@@ -256,9 +271,11 @@ def test_traced_stages_are_clipped_to_the_ceiling():
 def test_data_parallel_step_names_a_batch_leaf_that_does_not_split_over_the_devices():
     mesh = jax.make_mesh((8,), ("data",))
     tx = optax.chain(sidco.compress(0.1, axis_name="data"), optax.sgd(0.1))
-    params = sidco.place(np.zeros(3, np.float32), mesh)
-    state = sidco.shard_init(tx, params, mesh, "data")
-    step = sidco.data_parallel_step(lambda w, b: jnp.sum(b["x"] @ w), tx, state, mesh, "data")
+    params = sidco.parallel.place(np.zeros(3, np.float32), mesh)
+    state = sidco.parallel.shard_init(tx, params, mesh, "data")
+    step = sidco.parallel.data_parallel_step(
+        lambda w, b: jnp.sum(b["x"] @ w), tx, state, mesh, "data"
+    )
     message = (
         "batch['x'] must have a leading axis that splits evenly over the 8 devices along "
         "'data', got shape (12, 3)"

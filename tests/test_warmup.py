@@ -134,4 +134,4 @@ def test_a_bad_warmup_is_refused_at_construction(name, value, error, message):
 def test_every_compressor_takes_every_loop_option():
     # The loop's options are defined once, and every factory's signature lists them.
     for name in sidco.COMPRESSORS:
-        assert set(sidco.LoopOptions.__annotations__) <= set(OPTIONS[name]), name
+        assert set(sidco.typing.LoopOptions.__annotations__) <= set(OPTIONS[name]), name

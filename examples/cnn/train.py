@@ -65,10 +65,10 @@ def create_train_step(loss, tx: optax.GradientTransformation, opt_state, mesh) -
 
     The parameters are replicated, the batch is split over the devices and the
     optimizer state keeps one error-feedback residual per device, as
-    :func:`sidco_jax.shard_init` made it (:func:`sidco_jax.state_specs`).
+    :func:`sidco_jax.parallel.shard_init` made it (:func:`sidco_jax.parallel.state_specs`).
     """
     axis = parallel.AXIS
-    state_specs = sidco.state_specs(opt_state, axis)
+    state_specs = sidco.parallel.state_specs(opt_state, axis)
 
     def train_step(params, opt_state, batch):  # on each device, with its shard of the batch
         # Varying parameters keep the gradient this device's own: replicated ones would
@@ -112,8 +112,8 @@ def train_and_evaluate(
     task = create_task(config) if task is None else task
     mesh = parallel.mesh(config.devices)
     tx = training.create_optimizer(config, compressor, **(options or {}))
-    params = sidco.place(task.init(config.seed), mesh)  # replicated on every device
-    opt_state = sidco.shard_init(tx, params, mesh, parallel.AXIS)  # a residual per device
+    params = sidco.parallel.place(task.init(config.seed), mesh)  # replicated on every device
+    opt_state = sidco.parallel.shard_init(tx, params, mesh, parallel.AXIS)  # a residual per device
     train_step = create_train_step(task.loss, tx, opt_state, mesh)
 
     run = training.Run(config, task, compressor, mesh, workdir)

@@ -4,7 +4,7 @@ The same code runs on forced CPU devices, on GPUs and across processes
 (``jax.distributed``): the mesh spans ``jax.devices()`` and each device
 computes the gradient of its shard of the batch. The step itself is written
 out in each ``train.py`` (``create_train_step``); the library offers the same
-step as :func:`sidco_jax.data_parallel_step`.
+step as :func:`sidco_jax.parallel.data_parallel_step`.
 """
 
 from collections.abc import Callable
@@ -25,7 +25,7 @@ def mesh(devices: int) -> jax.sharding.Mesh:
 def compile_step(step: Callable, *args) -> tuple[Callable, int]:
     """``step`` compiled for ``args``, and the bytes one device sends per call (from its HLO)."""
     compiled = step.lower(*args).compile()
-    return compiled, sum(c.operand_bytes for c in sidco.hlo_collectives(compiled))
+    return compiled, sum(c.operand_bytes for c in sidco.hlo.collectives(compiled))
 
 
 def flat_gradient(loss: Callable, params, batch) -> np.ndarray:
@@ -40,7 +40,7 @@ def first_residual(opt_state) -> np.ndarray | None:
     The residual is a tree like the parameters; its leaves (device 0's rows of
     each) are concatenated in ``jax.tree.leaves`` order, like :func:`flat_gradient`.
     """
-    marked = jax.tree.leaves(sidco.is_residual(opt_state))
+    marked = jax.tree.leaves(sidco.parallel.is_residual(opt_state))
     leaves = [x for x, m in zip(jax.tree.leaves(opt_state), marked, strict=True) if m]
     if not leaves:
         return None

@@ -30,7 +30,7 @@ class AccumulateState(NamedTuple):
         tree like the parameters. Per device, like the error-feedback residual:
         under ``jax.shard_map`` its partition spec is ``P(axis_name)``, or with
         a hierarchical compressor, whose node mean comes after it,
-        ``P((axis_name, inner_axis))`` (see :func:`sidco_jax.state_specs`).
+        ``P((axis_name, inner_axis))`` (see :func:`sidco_jax.parallel.state_specs`).
       inner: the wrapped transformation's state.
     """
 
@@ -75,7 +75,7 @@ def accumulate(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an
       :class:`AccumulateState` (:func:`sidco_jax.metrics`,
-      :func:`sidco_jax.state_specs` and :func:`sidco_jax.shard_init` see
+      :func:`sidco_jax.parallel.state_specs` and :func:`sidco_jax.parallel.shard_init` see
       through it).
 
     Raises:

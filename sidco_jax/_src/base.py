@@ -13,49 +13,32 @@ metrics). A rule owns its state, as an optax transformation does:
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+if TYPE_CHECKING:  # the payload's module checks its arguments with this one's validators
+    from sidco_jax._src.payload import Payload
+
+Adaptation = Literal["paper", "directional", "fill"]
 Estimator = Literal["exponential", "gpareto", "gamma"]
 Granularity = Literal["model", "leaf"]
 Communication = Literal["auto", "sparse", "dense", "sparse_allreduce"]
 AxisName = str | tuple[str, ...]  # a mesh axis name or a tuple of them
 
+ADAPTATIONS: tuple[str, ...] = get_args(Adaptation)
+COMMUNICATIONS: tuple[str, ...] = get_args(Communication)
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 GRANULARITIES: tuple[str, ...] = get_args(Granularity)
-MODES: tuple[str, ...] = get_args(Communication)
 
 INT32_MAX = 2**31 - 1
 MAX_SIZE = INT32_MAX  # int32 indices, with ``size`` itself as the padding index
 VALUE_BYTES = 4  # float32 on the wire
 INDEX_BYTES = 4  # int32
 SLOT_BYTES = VALUE_BYTES + INDEX_BYTES
-
-
-class Payload(NamedTuple):
-    """A fixed-size sparse representation of the entries above a threshold.
-
-    Attributes:
-      values: ``(capacity,)`` selected values in index order, then zeros.
-      indices: ``(capacity,)`` int32 positions in the flattened input; padding
-        slots hold the input size (out of range, dropped by :func:`densify`).
-      count: int32 number of filled slots, ``min(selected, capacity)``.
-      selected: int32 number of entries above the threshold.
-    """
-
-    values: jax.Array
-    indices: jax.Array
-    count: jax.Array
-    selected: jax.Array
-
-    @property
-    def overflow(self) -> jax.Array:
-        """Entries above the threshold that did not fit (left for the residual)."""
-        return self.selected - self.count
 
 
 class Selection(NamedTuple):
@@ -70,7 +53,7 @@ class Selection(NamedTuple):
         values need to travel).
     """
 
-    payload: Payload | None
+    payload: "Payload | None"
     threshold: jax.Array
     bytes: int
     shared: bool = False
@@ -112,7 +95,7 @@ class CompressState(NamedTuple):
         at least 1-D; a zero-size vector for other leaves), in the bucketed
         layout a ``Buckets`` of flat vectors; None without error feedback. Per
         device: under ``jax.shard_map`` its partition spec is
-        ``P(axis_name)`` (see :func:`sidco_jax.state_specs`).
+        ``P(axis_name)`` (see :func:`sidco_jax.parallel.state_specs`).
       count: int32 number of steps taken, saturating at ``2**31 - 1``
         (:func:`next_count`).
       last: :class:`CompressMetrics` of the last step.
@@ -384,8 +367,8 @@ def check_estimator(estimator) -> None:
 
 
 def check_mode(mode) -> None:
-    """Raises ``ValueError`` unless ``mode`` is one of :data:`MODES`."""
-    check_choice("communication", mode, MODES)
+    """Raises ``ValueError`` unless ``mode`` is one of :data:`COMMUNICATIONS`."""
+    check_choice("communication", mode, COMMUNICATIONS)
 
 
 def float_vectors(x, caller: str) -> list[jax.Array]:

@@ -43,7 +43,7 @@ def topk(
 
     Args:
       ratio: target density in (0, 1]; ``k = max(floor(n * ratio), 1)``.
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -89,7 +89,7 @@ def dgc(
     Args:
       ratio: target density in (0, 1].
       sample_ratio: fraction of the entries sampled, in (0, 1].
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -147,7 +147,7 @@ def redsync(
       ratio: target density in (0, 1].
       capacity_factor: payload slots per ``k`` (default 2, RedSync's window).
       tolerance: smallest bracket width of ``t``, in (0, 1).
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -218,7 +218,7 @@ def gaussiank(
     Args:
       ratio: target density in (0, 1].
       capacity_factor: payload slots per ``k`` (default 4/3, the upper band).
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -280,7 +280,7 @@ def randomk(
 
     Args:
       ratio: target density in (0, 1].
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`).
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -317,14 +317,14 @@ def dense(**options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraAr
     zero); ``communication`` does not apply.
 
     Args:
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`); with
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`); with
         ``axis_name=None`` the gradient passes through unchanged, and with an
         ``inner_axis`` the mean is over both axes.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`~sidco_jax.CompressState`, so :func:`sidco_jax.metrics` and
-      :func:`sidco_jax.state_specs` work for it too.
+      :func:`sidco_jax.parallel.state_specs` work for it too.
 
     Examples:
       >>> import jax.numpy as jnp, sidco_jax as sidco

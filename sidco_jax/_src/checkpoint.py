@@ -119,7 +119,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
     Args:
       path: the checkpoint directory.
       target: a pytree like the saved one, of arrays, ``jax.ShapeDtypeStruct``
-        with shardings (for example :func:`sidco_jax.state_shardings`) or
+        with shardings (for example :func:`sidco_jax.parallel.state_shardings`) or
         Python scalars: the devices, and their number, may differ from the
         saved run. Each leaf's shape and dtype must be the saved ones, and
         each residual's shape per device (where the target gives its

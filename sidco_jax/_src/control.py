@@ -13,13 +13,13 @@ looks at the mean of ``achieved / target`` over the window:
   later stages of :func:`sidco_jax.threshold`, more stages move the density
   towards the target from either side, so the paper's fixed direction can
   get stuck at one stage (for example a heavy-tailed gradient that one stage
-  over-selects: the rule asks for fewer stages, which is impossible).
+  over-selects: the paper asks for fewer stages, which is impossible).
 
 * ``"fill"``: the paper's stage moves, plus two corrections of the threshold
   so that the fixed payload fills and the overflow stays in the residual.
   Within each step, :func:`bracket` moves the fitted threshold to the
   highest one near it that still selects the capacity (two counting passes;
-  SIDCo's rule first tries the last step's threshold, and fits and brackets
+  SIDCo's selection first tries the last step's threshold, and fits and brackets
   only where it no longer passes 1 to ``FILL_WIDE`` x the capacity).
   Across steps, :func:`fill` keeps a device-agreed log-space factor on the
   fitted threshold that re-centres the bracket when a step could not fill
@@ -38,8 +38,6 @@ import jax
 import jax.numpy as jnp
 
 from sidco_jax._src import passes
-
-RULES = ("paper", "directional", "fill")
 
 # The fill correction. Within a step (:func:`bracket`): BRACKET thresholds from
 # eta / BRACKET_SPAN to eta x BRACKET_SPAN, then as many between the chosen one
@@ -63,8 +61,8 @@ FILL_STEP = 0.5
 FILL_LIMIT = 4.0  # |log factor| <= 4 (x/÷ 55): beyond that the stage count has to move
 
 
-class StageControl(NamedTuple):
-    """State of the stage controller.
+class AdaptationState(NamedTuple):
+    """State of the stage-count adaptation (``adaptation=`` of :func:`sidco_jax.compress`).
 
     Attributes:
       window: sum of ``achieved / target`` over the current window.
@@ -81,8 +79,8 @@ class StageControl(NamedTuple):
     sense: jax.Array
 
 
-def init() -> StageControl:
-    return StageControl(
+def init() -> AdaptationState:
+    return AdaptationState(
         window=jnp.zeros((), jnp.float32),
         steps=jnp.zeros((), jnp.int32),
         error=jnp.full((), jnp.finfo(jnp.float32).max, jnp.float32),  # no window yet
@@ -93,14 +91,14 @@ def init() -> StageControl:
 
 def adapt(
     stages: jax.Array,
-    control: StageControl,
+    control: AdaptationState,
     achieved_over_target: jax.Array,
     *,
-    rule: str,
+    adaptation: str,
     period: int,
     band: float,
     max_stages: int,
-) -> tuple[jax.Array, StageControl]:
+) -> tuple[jax.Array, AdaptationState]:
     """Records one step and, at the end of a window, moves the stage count.
 
     Args:
@@ -108,7 +106,7 @@ def adapt(
       control: controller state.
       achieved_over_target: this step's sent density over the target (already
         averaged over devices where there are several).
-      rule: ``"paper"``, ``"directional"`` or ``"fill"`` (moves the stages as
+      adaptation: ``"paper"``, ``"directional"`` or ``"fill"`` (moves the stages as
         ``"paper"`` does; its factor is :func:`fill`'s).
       period: steps per window (the paper's ``Q = 5``).
       band: tolerance around 1 (the paper's 0.2).
@@ -123,12 +121,12 @@ def adapt(
     mean = window / steps.astype(jnp.float32)
     error = jnp.abs(jnp.log(jnp.maximum(mean, 1e-6)))
     sense = control.sense
-    if rule == "directional":
+    if adaptation == "directional":
         # The last move made things worse: reverse what "more stages" means here.
         sense = jnp.where(decide & control.moved & (error >= control.error), -sense, sense)
     move = jnp.where(mean > 1.0 + band, -1, jnp.where(mean < 1.0 - band, 1, 0)) * sense
     new_stages = jnp.clip(stages + jnp.where(decide, move, 0), 1, max_stages)
-    new = StageControl(
+    new = AdaptationState(
         window=jnp.where(decide, 0.0, window),
         steps=jnp.where(decide, 0, steps),
         error=jnp.where(decide, error, control.error),

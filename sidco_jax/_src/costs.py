@@ -55,7 +55,7 @@ def check_link(link) -> Link:
     if link is None:
         return DEFAULT_LINK
     if not isinstance(link, Link):
-        raise TypeError(f"link must be None or a sidco_jax.Link, got {link!r}")
+        raise TypeError(f"link must be None or a sidco_jax.costs.Link, got {link!r}")
     return Link(
         check_number("link.latency", static("link.latency", link.latency), 0.0),
         check_number(

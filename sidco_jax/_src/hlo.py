@@ -1,7 +1,7 @@
 """What a compiled step communicates, read from its optimized HLO.
 
 The bytes a compressor claims to save are only real if the collectives XLA
-emits are small. :func:`hlo_collectives` lists every cross-device collective of a
+emits are small. :func:`collectives` lists every cross-device collective of a
 compiled computation with the bytes of its operand (what one device puts in)
 and of its result (what one device gets back), so a test or a benchmark can
 check the claim instead of trusting a formula.
@@ -45,7 +45,7 @@ def _bytes(result_type: str) -> int:
     return total
 
 
-def hlo_collectives(compiled: Any) -> list[Collective]:
+def collectives(compiled: Any) -> list[Collective]:
     """The cross-device collectives of a compiled computation.
 
     Args:
@@ -60,7 +60,7 @@ def hlo_collectives(compiled: Any) -> list[Collective]:
       >>> import jax, jax.numpy as jnp, sidco_jax as sidco
       >>> f = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
       >>> x = jnp.zeros((1, 1000))
-      >>> [(c.kind, c.operand_bytes) for c in sidco.hlo_collectives(f.lower(x).compile())]
+      >>> [(c.kind, c.operand_bytes) for c in sidco.hlo.collectives(f.lower(x).compile())]
       [('all-reduce', 4000)]
     """
     text = compiled if isinstance(compiled, str) else compiled.as_text()
@@ -83,7 +83,7 @@ _LAUNCH = re.compile(r"^\s*%?\S+\s*=\s*.*?\s(fusion|while|sort|custom-call)\(")
 LAUNCH_KINDS = ("fusion", "while", "sort", "custom-call")
 
 
-def hlo_launches(hlo_text: str) -> dict[str, int]:
+def launches(compiled: Any) -> dict[str, int]:
     """Counts the ops of an optimized HLO module that each launch a kernel on a GPU.
 
     Fusions, while loops, sorts and custom calls, in every computation (a
@@ -91,13 +91,14 @@ def hlo_launches(hlo_text: str) -> dict[str, int]:
     the CPU this is a proxy, but one that grows as the GPU's count grows.
 
     Args:
-      hlo_text: ``jax.jit(f).lower(...).compile().as_text()``.
+      compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
 
     Returns:
       ``{kind: count}`` for each of :data:`LAUNCH_KINDS`.
     """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
     counts = dict.fromkeys(LAUNCH_KINDS, 0)
-    for line in hlo_text.splitlines():
+    for line in text.splitlines():
         match = _LAUNCH.match(line.split(", metadata=")[0])
         if match:
             counts[match.group(1)] += 1

@@ -253,7 +253,7 @@ def sparsifier(
         ``jax.pmap`` to average the update over; None (default) sparsifies
         locally with no collective. With an axis the update is the mean of
         all devices' messages, identical on every device, and the residual is
-        per device (see :func:`sidco_jax.state_specs`).
+        per device (see :func:`sidco_jax.parallel.state_specs`).
       communication: how the messages are averaged over ``axis_name``:
         ``"sparse"`` (``all_gather`` of values and indices, then a
         scatter-add: each device receives ``(P - 1) x capacity`` slots),

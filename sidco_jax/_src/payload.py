@@ -28,7 +28,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,6 @@ from jax.typing import DTypeLike
 from sidco_jax._src import passes
 from sidco_jax._src.base import (
     MAX_SIZE,
-    Payload,
     check_capacity_factor,
     check_integer,
     check_ratio,
@@ -47,6 +46,29 @@ from sidco_jax._src.base import (
     float_vectors,
     static,
 )
+
+
+class Payload(NamedTuple):
+    """A fixed-size sparse representation of the entries above a threshold.
+
+    Attributes:
+      values: ``(capacity,)`` selected values in index order, then zeros.
+      indices: ``(capacity,)`` int32 positions in the flattened input; padding
+        slots hold the input size (out of range, dropped by :func:`densify`).
+      count: int32 number of filled slots, ``min(selected, capacity)``.
+      selected: int32 number of entries above the threshold.
+    """
+
+    values: jax.Array
+    indices: jax.Array
+    count: jax.Array
+    selected: jax.Array
+
+    @property
+    def overflow(self) -> jax.Array:
+        """Entries above the threshold that did not fit (left for the residual)."""
+        return self.selected - self.count
+
 
 _TRI = 64  # width of the triangular matmuls of the cumulative sum
 # Words per group of the global prefix: the prefix and its search run over n / 512

@@ -38,7 +38,7 @@ class Chosen(NamedTuple):
 
 
 def everything(vectors, abs_sums, state, key) -> Selection:
-    """The :class:`~sidco_jax.SelectFn` of no compression: every entry is sent."""
+    """The :class:`~sidco_jax.typing.SelectFn` of no compression: every entry is sent."""
     del abs_sums, state, key
     return Selection(None, jnp.zeros((), jnp.float32), VALUE_BYTES * sum(v.size for v in vectors))
 

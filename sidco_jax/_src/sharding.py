@@ -94,7 +94,7 @@ def state_specs(
     Examples:
       >>> import jax.numpy as jnp, optax, sidco_jax as sidco
       >>> tx = optax.chain(sidco.compress(0.1, axis_name="data"), optax.sgd(0.1))
-      >>> specs = sidco.state_specs(tx.init(jnp.zeros(100)), "data")
+      >>> specs = sidco.parallel.state_specs(tx.init(jnp.zeros(100)), "data")
       >>> specs[0].residual, specs[0].count
       (P('data',), P())
     """
@@ -174,8 +174,8 @@ def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -
             raise ValueError(
                 f"opt_state{jax.tree_util.keystr(path)} must have shape {want} (one {kind} per "
                 f"device, split over {axes[kind]!r}: {devices} devices), got {jnp.shape(leaf)}: "
-                f"make the state with sidco.shard_init(tx, params, mesh, {axes[_RESIDUAL]!r}, "
-                f"accumulator_axis={axes[_ACCUMULATOR]!r})"
+                "make the state with sidco.parallel.shard_init(tx, params, mesh, "
+                f"{axes[_RESIDUAL]!r}, accumulator_axis={axes[_ACCUMULATOR]!r})"
             )
 
 
@@ -223,7 +223,7 @@ def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
     Examples:
       >>> import jax, numpy as np, sidco_jax as sidco
       >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-      >>> batch = sidco.place({"x": np.ones((4, 3))}, mesh, jax.P("data"))
+      >>> batch = sidco.parallel.place({"x": np.ones((4, 3))}, mesh, jax.P("data"))
       >>> batch["x"].shape, batch["x"].sharding.spec
       ((4, 3), P('data',))
     """
@@ -292,12 +292,12 @@ def data_parallel_step(
       >>> import jax, jax.numpy as jnp, numpy as np, optax, sidco_jax as sidco
       >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
       >>> tx = optax.chain(sidco.compress(0.1, axis_name="data"), optax.sgd(0.1))
-      >>> params = sidco.place(jnp.zeros(50), mesh)
-      >>> opt_state = sidco.shard_init(tx, params, mesh, "data")
+      >>> params = sidco.parallel.place(jnp.zeros(50), mesh)
+      >>> opt_state = sidco.parallel.shard_init(tx, params, mesh, "data")
       >>> def loss(w, batch):
       ...     return jnp.mean((batch @ w - 1.0) ** 2)
-      >>> step = sidco.data_parallel_step(loss, tx, opt_state, mesh, "data")
-      >>> batch = sidco.place(np.ones((4, 50), np.float32), mesh, jax.P("data"))
+      >>> step = sidco.parallel.data_parallel_step(loss, tx, opt_state, mesh, "data")
+      >>> batch = sidco.parallel.place(np.ones((4, 50), np.float32), mesh, jax.P("data"))
       >>> params, opt_state, value = step(params, opt_state, batch)
       >>> float(value)
       1.0

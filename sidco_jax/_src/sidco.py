@@ -7,7 +7,7 @@ count of the threshold and the controller that adapts it (:mod:`control`).
 Error feedback, aggregation and metrics are the shared loop's (:mod:`loop`).
 """
 
-from typing import Literal, NamedTuple, Unpack
+from typing import NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,9 @@ from sidco_jax._src import control as control_lib
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src import thresholds
 from sidco_jax._src.base import (
+    ADAPTATIONS,
     SLOT_BYTES,
+    Adaptation,
     CompressMetrics,
     Estimator,
     Rule,
@@ -34,7 +36,6 @@ from sidco_jax._src.base import (
 from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.options import LoopOptions, takes_loop_options
 
-Adaptation = Literal["paper", "directional", "fill"]
 STARTING_STAGES = (
     "is where an adaptation starts, read by init only, so an injected value would change "
     "nothing (adaptation=None makes the count follow it)"
@@ -57,7 +58,7 @@ class SidcoState(NamedTuple):
     """
 
     stages: jax.Array
-    control: control_lib.StageControl | optax.EmptyState
+    control: control_lib.AdaptationState | optax.EmptyState
     scale: jax.Array
     previous: jax.Array
 
@@ -134,7 +135,7 @@ def rule(
             state.stages,
             state.control,
             achieved,
-            rule=adaptation,
+            adaptation=adaptation,
             period=period,
             band=band,
             max_stages=limit,
@@ -192,7 +193,7 @@ def compress(
         ``[1, 2**31 - 1]``.
       band: tolerance of the adaptation around the target (the paper's 0.2),
         in (0, 1).
-      **options: the loop's options (:class:`~sidco_jax.LoopOptions`):
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`):
         ``granularity``, ``error_feedback``, ``axis_name``,
         ``communication``, ``inner_axis``, ``link``, ``warmup_steps``,
         ``layout`` and ``bucket_bytes``, documented at
@@ -232,7 +233,7 @@ def compress(
     capacity_factor = check_capacity_factor(capacity_factor)
     check_estimator(estimator)
     first_ratio = check_ratio(first_ratio, "first_ratio")
-    check_choice("adaptation", adaptation, control_lib.RULES, optional=True)
+    check_choice("adaptation", adaptation, ADAPTATIONS, optional=True)
     if adaptation is not None:
         stages = static("stages", stages, STARTING_STAGES)
     stages = thresholds.check_stages(

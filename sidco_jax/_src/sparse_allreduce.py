@@ -29,7 +29,8 @@ from jax import lax
 
 from sidco_jax._src import collectives, costs
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.base import SLOT_BYTES, AxisName, Payload
+from sidco_jax._src.base import SLOT_BYTES, AxisName
+from sidco_jax._src.payload import Payload
 
 
 class Routed(NamedTuple):

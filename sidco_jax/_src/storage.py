@@ -21,8 +21,8 @@ from sidco_jax._src import manifest
 
 # Orbax writes into ``<path>`` + this suffix and renames it when the save completes.
 _UNFINISHED = ".orbax-checkpoint-tmp"
-# What every checkpoint of :func:`sidco_jax.save` holds: the tree's metadata, the root and
-# data files of the OCDBT database holding the arrays, and the manifest.
+# What every checkpoint of :func:`sidco_jax.save` holds: the tree's metadata, the
+# root and data files of the OCDBT database holding the arrays, and the manifest.
 _LAYOUT = ("_METADATA", "manifest.ocdbt", "d", manifest.DIRECTORY)
 # Orbax's JSON files besides the per-process ones in array_metadatas/.
 _JSON = ("_METADATA", "_CHECKPOINT_METADATA", "_sharding")

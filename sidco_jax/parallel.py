@@ -1,0 +1,27 @@
+"""Placing a compressor's state across devices, and a data-parallel step built on it.
+
+Under ``jax.shard_map`` each device keeps its own error-feedback residual and
+the rest of the state is replicated: :func:`state_specs` and
+:func:`state_shardings` say so for any optimizer state, :func:`shard_init`
+builds it in place, :func:`place` puts parameters and batches on a mesh, and
+:func:`data_parallel_step` wraps a loss into a jitted step for those who do not
+write their own (docs/distributed.md).
+"""
+
+from sidco_jax._src.sharding import (
+    data_parallel_step,
+    is_residual,
+    place,
+    shard_init,
+    state_shardings,
+    state_specs,
+)
+
+__all__ = [
+    "data_parallel_step",
+    "is_residual",
+    "place",
+    "shard_init",
+    "state_shardings",
+    "state_specs",
+]

@@ -1,0 +1,31 @@
+"""Types for type checkers: the option literals, the loop's options, a rule's parts.
+
+The tuples of allowed values (``sidco_jax.ADAPTATIONS``, ...) are these
+literals' arguments, as ``typing.get_args`` gives them.
+"""
+
+from sidco_jax._src.base import (
+    Adaptation,
+    AxisName,
+    Communication,
+    Estimator,
+    Granularity,
+    ObserveFn,
+    RuleInitFn,
+    SelectFn,
+)
+from sidco_jax._src.layout import Layout
+from sidco_jax._src.options import LoopOptions
+
+__all__ = [
+    "Adaptation",
+    "AxisName",
+    "Communication",
+    "Estimator",
+    "Granularity",
+    "Layout",
+    "LoopOptions",
+    "ObserveFn",
+    "RuleInitFn",
+    "SelectFn",
+]
