@@ -126,6 +126,10 @@ def settings(ratio: float) -> dict:
     for name in sidco.COMPRESSORS:
         if not name.startswith("sidco") and name != "dense":
             out[name] = sidco.compressor(name, ratio)
+    # The wire formats, against SIDCo-E's default (float32 values, int32 indices).
+    out["sidco-e"] = sidco.compress(ratio)
+    for values in sidco.VALUE_CODECS[1:]:
+        out[f"sidco-e {values}/chunked"] = sidco.compress(ratio, values=values, indices="chunked")
     return out
 
 

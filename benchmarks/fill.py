@@ -12,26 +12,12 @@ perplexity. A label is a registry name with options after a colon::
 """
 
 import argparse
-import ast
 import dataclasses
 import importlib
 import json
 import os
 import pathlib
 import tempfile
-
-
-def parse_label(label: str) -> tuple[str, dict]:
-    """``"sidco-e:adaptation=fill,warmup_steps=50"`` -> ``("sidco-e", {...})``."""
-    name, _, rest = label.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return name, options
 
 
 def main(argv=None) -> list[dict]:
@@ -85,6 +71,8 @@ def main(argv=None) -> list[dict]:
 def run(label: str, config, trainer, task, skip: int) -> dict:
     """One run of ``trainer`` with the compressor of ``label``: its figures after ``skip`` steps."""
     import numpy as np
+
+    from benchmarks.overhead import parse_label
 
     name, options = parse_label(label)
     with tempfile.TemporaryDirectory() as workdir:

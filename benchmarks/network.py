@@ -714,10 +714,10 @@ def main(argv=None) -> int:
         return 0
     for rate in [*args.bandwidths, args.target_bandwidth]:
         bits_per_second(rate)  # a bad rate fails here, before anything is created
-    from benchmarks.overhead import LABELS
+    from benchmarks.overhead import LABELS, parse_label
 
     for label in {*args.compressors, *args.hierarchical, *args.target_compressors}:
-        if label not in LABELS:  # and a bad name here
+        if parse_label(label)[0] not in LABELS:  # and a bad name here
             parser.error(f"unknown compressor {label!r}; allowed: {', '.join(LABELS)}")
     reason = unavailable()
     if reason:

@@ -46,6 +46,7 @@ real gradients of the examples' models (their parameter trees).
 """
 
 import argparse
+import ast
 import bisect
 import contextlib
 import functools
@@ -75,17 +76,31 @@ VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 MODES = ("kernels", "updates", "phases", "step", "axis")
 
 
-# SIDCo-E/P with the paper's stage rule (docs/optax.md), beside the registry's
+# SIDCo-E/P with the paper's stage adaptation (docs/optax.md), beside the registry's
 # compressors, which keep the default adaptation ("fill").
 PAPER = {f"{name} paper": name for name in ("sidco-e", "sidco-p")}
 LABELS = (*sidco.COMPRESSORS, *PAPER)
 
 
+def parse_label(label: str) -> tuple[str, dict]:
+    """``"sidco-e:values=int8,indices=chunked"`` -> ``("sidco-e", {...})``: a name, its options."""
+    name, _, rest = label.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return name, options
+
+
 def compressor(label: str, ratio: float, **options) -> optax.GradientTransformation:
-    """The compressor a row label names: a registry name or one of :data:`PAPER`."""
-    if label in PAPER:
-        return sidco.compressor(PAPER[label], ratio, adaptation="paper", **options)
-    return sidco.compressor(label, ratio, **options)
+    """The compressor a row label names: a name of :data:`LABELS`, options after a colon."""
+    name, given = parse_label(label)
+    if name in PAPER:
+        return sidco.compressor(PAPER[name], ratio, adaptation="paper", **given, **options)
+    return sidco.compressor(name, ratio, **given, **options)
 
 
 # ----------------------------------------------------------------------------- timing

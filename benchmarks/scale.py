@@ -11,6 +11,9 @@ one aggregation (the gradient of one step) for
   the cheapest compressed mode across the ``P / per-node`` nodes
   (``inner_axis``), as ``communication="auto"`` would pick it.
 
+The compressed modes run in each wire format of ``--wires`` (``values/indices``,
+as :func:`sidco_jax.compress` takes them): ``float32/int32`` by default.
+
 Flat modes run over the inter-node link once ``P`` spans more than one node (a
 collective is as fast as its slowest hop), over the node's own link otherwise.
 It also prints, per link and ratio, the device count from which one mode
@@ -19,10 +22,11 @@ checked against the compiled HLO by ``benchmarks/aggregation.py`` and against
 the wire by ``benchmarks/network.py --hierarchical`` (docs/benchmarks.md).
 
     python -m benchmarks.scale --params 1e9 --ratios 0.01 0.001 \\
-        --devices 8 64 512 4096 --gbits 10 100 400
+        --devices 8 64 512 4096 --gbits 10 100 400 --wires float32/int32 int8/chunked
 """
 
 import argparse
+import itertools
 import json
 import pathlib
 
@@ -32,21 +36,34 @@ MODES = ("dense", "sparse", "sparse_allreduce")
 LABELS = {"dense": "dense ring", "sparse": "all_gather", "sparse_allreduce": "sparse all-reduce"}
 
 
-def step_seconds(size: int, ratio: float, devices: int, per_node: int, outer: costs.Link) -> dict:
-    """Modelled seconds of each way to aggregate one gradient of ``size`` entries."""
+def step_seconds(
+    size: int,
+    ratio: float,
+    devices: int,
+    per_node: int,
+    outer: costs.Link,
+    wire: tuple[str, str] = ("float32", "int32"),
+) -> dict:
+    """Modelled seconds of each way to aggregate one gradient of ``size`` entries.
+
+    ``wire`` is the ``(values, indices)`` format of the compressed modes' messages.
+    """
     capacity = max(1, round(ratio * size))
     flat_link = outer if devices > per_node else costs.NODE_LINK
-    row = {mode: costs.seconds(mode, size, capacity, devices, flat_link) for mode in MODES}
+    row = {
+        mode: costs.seconds(mode, size, capacity, devices, flat_link, False, *wire)
+        for mode in MODES
+    }
     nodes, local = max(1, devices // per_node), min(devices, per_node)
-    outer_mode = costs.choose(size, capacity, nodes, outer) if nodes > 1 else "dense"
+    outer_mode = costs.choose(size, capacity, nodes, outer, False, *wire) if nodes > 1 else "dense"
     row["hierarchical"] = costs.hierarchical_seconds(
-        outer_mode, size, capacity, nodes, local, outer, costs.NODE_LINK
+        outer_mode, size, capacity, nodes, local, outer, costs.NODE_LINK, *wire
     )
     row["hierarchical_mode"] = outer_mode if nodes > 1 else "-"
     return row
 
 
-def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link) -> dict:
+def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link, wire=None) -> dict:
     """Per overtaking, the power-of-two device count from which it holds up to 2^16 (None: never).
 
     Where an overtaking holds at some device counts and not at larger ones (hierarchical
@@ -61,7 +78,7 @@ def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link) -> dic
     }
     found = dict.fromkeys(checks)
     for power in range(1, 17):
-        row = step_seconds(size, ratio, 2**power, per_node, outer)
+        row = step_seconds(size, ratio, 2**power, per_node, outer, wire or ("float32", "int32"))
         for name, holds in checks.items():
             if not holds(row):
                 found[name] = None
@@ -73,24 +90,27 @@ def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link) -> dic
 def tables(rows: list[dict], crossings: list[dict]) -> str:
     """Markdown: modelled milliseconds per step, then the crossover device counts."""
     lines = [
-        "| ratio | inter-node Gbit/s | P | dense ring | all_gather | sparse all-reduce "
+        "| ratio | wire | inter-node Gbit/s | P | dense ring | all_gather | sparse all-reduce "
         "| hierarchical (outer mode) | best |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         times = {k: r[k] for k in (*MODES, "hierarchical")}
         best = min(times, key=times.get)
         cells = " | ".join(f"{1e3 * r[m]:.1f}" for m in MODES)
         lines.append(
-            f"| {r['ratio']} | {r['gbits']:g} | {r['devices']} | {cells} | "
+            f"| {r['ratio']} | {r['wire']} | {r['gbits']:g} | {r['devices']} | {cells} | "
             f"{1e3 * r['hierarchical']:.1f} ({r['hierarchical_mode']}) | "
             f"{LABELS.get(best, best)} |"
         )
-    lines += ["", "| ratio | inter-node Gbit/s | " + " | ".join(crossings[0]["at"]) + " |"]
-    lines.append("|---:|---:|" + "---:|" * len(crossings[0]["at"]))
+    lines += [
+        "",
+        "| ratio | wire | inter-node Gbit/s | " + " | ".join(crossings[0]["at"]) + " |",
+    ]
+    lines.append("|---:|---|---:|" + "---:|" * len(crossings[0]["at"]))
     for c in crossings:
         cells = " | ".join("never" if p is None else f"P = {p}" for p in c["at"].values())
-        lines.append(f"| {c['ratio']} | {c['gbits']:g} | {cells} |")
+        lines.append(f"| {c['ratio']} | {c['wire']} | {c['gbits']:g} | {cells} |")
     return "\n".join(lines)
 
 
@@ -108,18 +128,21 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--latency-us", type=float, default=1e6 * costs.DEFAULT_LINK.latency, help="per message"
     )
+    parser.add_argument(
+        "--wires", nargs="+", default=["float32/int32"], help="values/indices of the messages"
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write the rows here")
     args = parser.parse_args(argv)
     size = int(args.params)
     rows, crossings = [], []
-    for ratio in args.ratios:
-        for gbits in args.gbits:
-            outer = costs.Link(args.latency_us * 1e-6, gbits * 1e9 / 8)
-            for devices in args.devices:
-                row = step_seconds(size, ratio, devices, args.per_node, outer)
-                rows.append({"ratio": ratio, "gbits": gbits, "devices": devices, **row})
-            at = crossovers(size, ratio, args.per_node, outer)
-            crossings.append({"ratio": ratio, "gbits": gbits, "at": at})
+    for ratio, wire, gbits in itertools.product(args.ratios, args.wires, args.gbits):
+        values, _, indices = wire.partition("/")
+        outer = costs.Link(args.latency_us * 1e-6, gbits * 1e9 / 8)
+        for devices in args.devices:
+            row = step_seconds(size, ratio, devices, args.per_node, outer, (values, indices))
+            rows.append({"ratio": ratio, "wire": wire, "gbits": gbits, "devices": devices, **row})
+        at = crossovers(size, ratio, args.per_node, outer, (values, indices))
+        crossings.append({"ratio": ratio, "wire": wire, "gbits": gbits, "at": at})
     print(
         f"Modelled communication per step: {size:.3g} float32 parameters, "
         f"{args.per_node} devices per node (inner link {costs.NODE_LINK.bandwidth * 8e-9:g} "

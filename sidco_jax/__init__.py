@@ -28,6 +28,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
 from sidco_jax._src.checkpoint import restore, save
+from sidco_jax._src.codecs import INDEX_CODECS, VALUE_CODECS
 from sidco_jax._src.control import AdaptationState
 from sidco_jax._src.layout import LAYOUTS
 from sidco_jax._src.loop import sparsifier
@@ -45,7 +46,9 @@ __all__ = [
     "COMPRESSORS",
     "ESTIMATORS",
     "GRANULARITIES",
+    "INDEX_CODECS",
     "LAYOUTS",
+    "VALUE_CODECS",
     "AccumulateState",
     "AdaptationState",
     "CompressMetrics",

@@ -14,6 +14,7 @@ from sidco_jax._src.base import (
     RuleInitFn,
     SelectFn,
 )
+from sidco_jax._src.codecs import IndexCodec, ValueCodec
 from sidco_jax._src.layout import Layout
 from sidco_jax._src.options import LoopOptions
 
@@ -23,9 +24,11 @@ __all__ = [
     "Communication",
     "Estimator",
     "Granularity",
+    "IndexCodec",
     "Layout",
     "LoopOptions",
     "ObserveFn",
     "RuleInitFn",
     "SelectFn",
+    "ValueCodec",
 ]

@@ -4,6 +4,7 @@ import functools
 import math
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +125,30 @@ def run_local(tx, stream, device=0):
         updates.append(u)
         states.append(state)
     return updates, states
+
+
+def assert_mapped_agrees(mapped, tx, stream):
+    """``tx`` under ``mapped`` (``jax.pmap`` or ``jax.vmap``) over AXIS equals it under shard_map.
+
+    The same update on every device at every step, and in the end the same
+    per-device residuals and stage count.
+    """
+    want, want_states, _ = run_shard_map(tx, stream)
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES, *jnp.shape(x))), params_tree())
+    state = mapped(tx.init, axis_name=AXIS)(stacked)
+    update = jax.jit(mapped(tx.update, axis_name=AXIS))
+    for grads, w in zip(stream, want, strict=True):
+        got, state = update(grads, state)
+        for d in range(DEVICES):
+            chex.assert_trees_all_equal(jax.tree.map(lambda x, d=d: x[d], got), w)
+    for d in range(DEVICES):
+        chex.assert_trees_all_equal(
+            jax.tree.map(lambda r, d=d: r[d], state.residual),
+            device_residual(want_states[-1].residual, d),
+        )
+    assert int(np.ravel(sidco.metrics(state)["stages"])[0]) == int(
+        sidco.metrics(want_states[-1])["stages"]
+    )
 
 
 def copies(x: jax.Array) -> list[np.ndarray]:

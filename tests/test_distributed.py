@@ -12,6 +12,7 @@ from harness import (
     AXIS,
     DEVICES,
     SHAPES,
+    assert_mapped_agrees,
     copies,
     device_residual,
     gradient_stream,
@@ -115,37 +116,13 @@ def test_eight_devices_with_identical_gradients_equal_one_device(rng, name):
     )
 
 
-def _assert_mapped_agrees(mapped, tx, stream):
-    """``tx`` under ``mapped`` (``jax.pmap`` or ``jax.vmap``) over AXIS equals it under shard_map.
-
-    The same update on every device at every step, and in the end the same
-    per-device residuals and stage count.
-    """
-    want, want_states, _ = run_shard_map(tx, stream)
-    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES, *jnp.shape(x))), params_tree())
-    state = mapped(tx.init, axis_name=AXIS)(stacked)
-    update = jax.jit(mapped(tx.update, axis_name=AXIS))
-    for grads, w in zip(stream, want, strict=True):
-        got, state = update(grads, state)
-        for d in range(DEVICES):
-            chex.assert_trees_all_equal(jax.tree.map(lambda x, d=d: x[d], got), w)
-    for d in range(DEVICES):
-        chex.assert_trees_all_equal(
-            jax.tree.map(lambda r, d=d: r[d], state.residual),
-            device_residual(want_states[-1].residual, d),
-        )
-    assert int(np.ravel(sidco.metrics(state)["stages"])[0]) == int(
-        sidco.metrics(want_states[-1])["stages"]
-    )
-
-
 @pytest.mark.parametrize(
     ("name", "communication"),
     [(name, "auto") for name in COMPRESSORS] + [("sidco-e", "sparse_allreduce")],
 )
 def test_pmap_and_shard_map_agree(rng, name, communication):
     options = {} if communication == "auto" else {"communication": communication}
-    _assert_mapped_agrees(
+    assert_mapped_agrees(
         jax.pmap, COMPRESSORS[name](axis_name=AXIS, **options), gradient_stream(rng, 8)
     )
 
@@ -163,7 +140,7 @@ def test_vmap_and_shard_map_agree(rng, name, communication):
     # Defect: jax.vmap(update, axis_name=...) ran the dense mode only; the sparse modes
     # failed with a bare AssertionError from the all_gather that makes the mean invariant.
     options = {} if communication == "auto" else {"communication": communication}
-    _assert_mapped_agrees(
+    assert_mapped_agrees(
         jax.vmap, COMPRESSORS[name](axis_name=AXIS, **options), gradient_stream(rng, 8)
     )
 

@@ -13,7 +13,7 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 @pytest.mark.slow
 def test_multi_device_page_runs(capsys):
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / "distributed.md").read_text(), flags=re.S)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     namespace = {}
     for block in blocks:
         exec(block, namespace)

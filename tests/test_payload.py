@@ -124,7 +124,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("kind", ["student_t", "ties_and_zeros", "mostly_zero"])
 def test_top_by_count_is_lax_top_k_without_a_sort(rng, kind):
     # The starved-payload fill: the same entries as lax.top_k over the
-    # concatenation (ties to the lower index) and the same k-th magnitude.
+    # concatenation (ties to the lower index), in index order, and the same k-th magnitude.
     from jax import lax
 
     from sidco_jax._src.payload import top_by_count
@@ -139,7 +139,7 @@ def test_top_by_count_is_lax_top_k_without_a_sort(rng, kind):
     for k in (1, 91, 2000):
         payload, kth = jax.jit(top_by_count, static_argnums=1)(vectors, k)
         mags, want = lax.top_k(jnp.abs(flat), k)
-        np.testing.assert_array_equal(np.sort(payload.indices), np.sort(want))
+        np.testing.assert_array_equal(payload.indices, np.sort(want))
         np.testing.assert_array_equal(payload.values, flat[payload.indices])
         assert float(kth) == float(mags[-1]) and int(payload.count) == k
     assert "top_k" not in str(jax.make_jaxpr(top_by_count, static_argnums=1)(vectors, 91))
@@ -156,8 +156,8 @@ def test_payload_search_is_a_loop_on_cpu_and_unrolled_elsewhere():
 
 @pytest.mark.parametrize("kind", ["student_t", "ties_and_zeros"])
 def test_strongest_keeps_the_largest_of_a_wide_payload(rng, kind):
-    # adaptation="fill" gathers up to 4x the capacity, then keeps the largest:
-    # counted on CPU, lax.top_k elsewhere; both the same entries as a NumPy sort.
+    # adaptation="fill" gathers up to 4x the capacity, then keeps the largest, in index
+    # order: counted on CPU, lax.top_k elsewhere; both the same entries as a NumPy sort.
     from sidco_jax._src.payload import strongest
 
     n, cap = 5000, 50
@@ -176,7 +176,7 @@ def test_strongest_keeps_the_largest_of_a_wide_payload(rng, kind):
         order = np.argsort(-np.abs(x[first]), kind="stable")  # ties: lower index first
         want = np.full(cap, n)
         want[: min(cap, first.size)] = first[order][:cap]
-        np.testing.assert_array_equal(np.sort(np.asarray(got.indices)), np.sort(want))
+        np.testing.assert_array_equal(got.indices, np.sort(want))
         np.testing.assert_array_equal(got.values, np.where(got.indices < n, x[got.indices % n], 0))
         assert int(got.selected) == int(wide.selected)
         assert int(got.count) == min(int(wide.selected), cap)

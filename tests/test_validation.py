@@ -201,6 +201,8 @@ def test_step_counts_name_their_int32_range(build, name, low):
         ("estimator", sidco.ESTIMATORS, sidco.typing.Estimator),
         ("granularity", sidco.GRANULARITIES, sidco.typing.Granularity),
         ("layout", sidco.LAYOUTS, sidco.typing.Layout),
+        ("values", sidco.VALUE_CODECS, sidco.typing.ValueCodec),
+        ("indices", sidco.INDEX_CODECS, sidco.typing.IndexCodec),
     ],
 )
 def test_each_option_tuple_holds_exactly_what_its_option_accepts(option, allowed, literal):

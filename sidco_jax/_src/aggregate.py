@@ -5,11 +5,13 @@ turn the payloads into the mean update, all ending replicated (invariant)
 across the axis so that parameters with ``out_specs=P()`` work under
 ``jax.shard_map(check_vma=True)``:
 
-* ``"sparse"``: ``all_gather`` the values and the indices, then scatter-add
-  all ``devices x capacity`` entries into a dense zero vector. Each device
-  receives ``(devices - 1) x capacity x 8`` bytes.
+* ``"sparse"``: ``all_gather`` the values and the indices, in the wire
+  format of :mod:`codecs`, then decode and scatter-add all ``devices x
+  capacity`` entries into a dense zero vector. Each device receives
+  ``(devices - 1) x capacity x 8`` bytes with float32 values and int32 indices.
 * ``"dense"``: scatter the local payload into a dense vector and ``psum`` it.
-  A ring all-reduce moves ``2 (devices - 1) / devices x 4n`` bytes per device.
+  A ring all-reduce moves ``2 (devices - 1) / devices x 4n`` bytes per device;
+  the values travel as selected, whatever the wire format.
 * ``"sparse_allreduce"``: route each entry to the device owning its region,
   reduce and select again there, gather the reduced regions
   (:mod:`sparse_allreduce`): under ``3 x capacity x 8`` bytes per device.
@@ -27,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import collectives, costs, sparse_allreduce
+from sidco_jax._src import codecs, collectives, costs, sparse_allreduce
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.base import INDEX_BYTES, VALUE_BYTES, AxisName
+from sidco_jax._src.base import VALUE_BYTES, AxisName
 
 
 def resolve(
@@ -39,18 +41,12 @@ def resolve(
     devices: int,
     link: costs.Link = costs.DEFAULT_LINK,
     shared: bool = False,
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> str:
     """The concrete mode: ``mode`` itself, or for ``"auto"`` the cheapest in :mod:`costs`."""
     if mode != "auto":
         return mode
-    return costs.choose(size, capacity, devices, link, shared)
-
-
-def message_bytes(mode: str, size: int, capacity: int, shared: bool = False) -> int:
-    """Bytes of the message one device contributes in ``mode``."""
-    if mode == "dense":
-        return VALUE_BYTES * size
-    return capacity * (VALUE_BYTES + (0 if shared else INDEX_BYTES))
+    return costs.choose(size, capacity, devices, link, shared, *wire)
 
 
 def mean_of(
@@ -60,14 +56,13 @@ def mean_of(
     mode: str,
     shared: bool = False,
 ) -> list[jax.Array]:
-    """The mean over ``axis_name`` of the densified payloads, replicated on every device.
+    """The mean over ``axis_name`` of the densified payloads, values as selected (no codec).
 
     Args:
       payload: this device's payload, indexed over the concatenation of
         vectors of ``sizes`` entries (the total = padding).
       sizes: lengths of the dense vectors (one per gradient leaf).
-      axis_name: the mesh axis (or tuple of axes) to average over; None for
-        this device's own payload, densified.
+      axis_name: the mesh axis (or tuple of axes) to average over.
       mode: ``"sparse"`` or ``"dense"`` (resolved, see :func:`resolve`; the
         sparse all-reduce has its own module).
       shared: whether the indices are the same on every device.
@@ -76,8 +71,6 @@ def mean_of(
       One float32 vector per size, invariant across ``axis_name``.
     """
     values, indices = payload.values, payload.indices
-    if axis_name is None:
-        return payload_lib.scatter(values, indices, sizes)
     # Divided on the k-sized payload, not on the full-size result (a pass saved).
     values = values / lax.axis_size(axis_name)
     if shared:
@@ -89,6 +82,27 @@ def mean_of(
     # scatter adds into jnp.zeros: a target built with zeros_like from a
     # varying value would make the mean varying too.
     return payload_lib.scatter(values, indices, sizes)
+
+
+def gathered_mean(
+    payload: payload_lib.Payload, sizes: list[int], axis_name: AxisName | None, codec
+) -> tuple[list[jax.Array], jax.Array]:
+    """The ``"sparse"`` mean with the payload encoded by ``codec``, and the values this device sent.
+
+    Every device decodes the same gathered messages in the same order, so the
+    mean is identical everywhere; the sender's residual subtracts the values
+    it sent as decoded, so it keeps the rounding.
+    """
+    n, slots = sum(sizes), payload.values.shape[0]
+    message = codec.encode(payload.values[None], payload.indices[None], n)
+    sent = codec.decode_values(message, slots)[0]
+    if axis_name is None:
+        return payload_lib.scatter(sent, payload.indices, sizes), sent
+    devices = lax.axis_size(axis_name)
+    message = jax.tree.map(lambda x: x[:, 0], collectives.all_gather(message, axis_name))
+    values, indices = codec.decode(message, slots, n)
+    mean = payload_lib.scatter((values / devices).reshape(-1), indices.reshape(-1), sizes)
+    return mean, sent
 
 
 class Figures(NamedTuple):
@@ -137,10 +151,13 @@ class Aggregated(NamedTuple):
       others: the mean of each complex leaf.
       figures: the step's agreed :class:`Figures`.
       message: static bytes one device sent.
-      sent: ``(indices, values)`` this device sent, global indices; None when
-        it sent every entry (or nothing, on a non-finite step).
-      kept: ``(indices, values)`` received as an owner of the sparse
-        all-reduce and not sent on; None in the other modes.
+      sent: ``(indices, values)`` this device sent, global indices, values
+        as every receiver decodes them; None when it sent every entry (or
+        nothing, on a non-finite step).
+      kept: ``(indices, values)`` pairs to add back to this device's
+        residual: as an owner of the sparse all-reduce, what it received and
+        did not send on, and what its own message's rounding lost; empty in
+        the other modes.
     """
 
     mean: list[jax.Array]
@@ -148,13 +165,22 @@ class Aggregated(NamedTuple):
     figures: Figures
     message: int
     sent: tuple[jax.Array, jax.Array] | None
-    kept: tuple[jax.Array, jax.Array] | None
+    kept: list[tuple[jax.Array, jax.Array]]
 
 
 def _dense_mean(xs, finite, axis_name):
     """The gated ``pmean`` of ``xs`` (or ``xs`` itself, gated, without an axis)."""
     xs = [jnp.where(finite, x, jnp.zeros((), x.dtype)) for x in xs]
     return xs if axis_name is None else lax.pmean(xs, axis_name)
+
+
+def _shared_codec(chosen, wire: codecs.Codec) -> None:
+    if chosen.shared and wire != codecs.DEFAULT:
+        raise ValueError(
+            f"values={wire.values!r} and indices={wire.indices!r} need a rule that sends its own "
+            "indices: this one's are the same on every device and only float32 values travel "
+            "(use values='float32', indices='int32')"
+        )
 
 
 def aggregate(
@@ -165,6 +191,7 @@ def aggregate(
     communication: str,
     link: costs.Link,
     reselect: Callable[[jax.Array], payload_lib.Payload],
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> Aggregated:
     """The mean over ``axis_name`` of every device's choice, in the resolved mode.
 
@@ -176,6 +203,7 @@ def aggregate(
       communication: the ``communication`` option (``"auto"`` resolved here).
       link: the link of ``axis_name`` for ``"auto"``.
       reselect: the owner's selection in the sparse all-reduce.
+      wire: the sparse messages' :class:`~sidco_jax._src.codecs.Codec`.
     """
     sizes = [x.size for x in fed.u]
     n = sum(sizes)
@@ -183,36 +211,36 @@ def aggregate(
     if payload is None:
         sent, selected = jnp.where(fed.finite, n, 0).astype(jnp.int32), jnp.int32(n)
     else:
+        _shared_codec(chosen, wire)
         capacity = payload.values.shape[0]
         if axis_name is not None and not chosen.shared:
-            mode = resolve(communication, n, capacity, lax.axis_size(axis_name), link)
+            mode = resolve(communication, n, capacity, lax.axis_size(axis_name), link, wire=wire)
         if mode == "sparse_allreduce":  # what does not fit its owner's slots stays here
             routed = sparse_allreduce.route(payload, n, lax.axis_size(axis_name))
         count = payload.count if routed is None else routed.count
         sent, selected = jnp.where(fed.finite, count, 0), payload.selected
     local = Figures(fed.finite, sent, selected, chosen.thresholds, fed.dropped)
     figures = agree(axis_name, local)
-    finite, sent_at, kept = figures.finite, None, None
+    finite, sent_at, kept = figures.finite, None, []
     with jax.named_scope("aggregate"):
         if payload is None:
             mean = _dense_mean(fed.u, finite, axis_name)
             message = sum(x.size * x.dtype.itemsize for x in fed.u)
         else:  # a non-finite step sends zeros everywhere
-            values = jnp.where(finite, payload.values, 0.0)
-        if payload is not None and routed is None:
-            sent_at = (payload.indices, values)
-            mean = mean_of(payload._replace(values=values), sizes, axis_name, mode, chosen.shared)
-            message = (
-                chosen.bytes
-                if mode == "sparse"
-                else message_bytes(mode, n, capacity, chosen.shared)
-            )
-        elif routed is not None:
-            sent_at = (routed.sent, values)
+            payload = payload._replace(values=jnp.where(finite, payload.values, 0.0))
+        if routed is not None:
             routed = routed._replace(values=jnp.where(finite, routed.values, 0.0))
-            reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect)
-            mean, message = reduced.mean, reduced.message
-            kept = (reduced.kept_indices, reduced.kept_values)
+            reduced = sparse_allreduce.exchange(routed, sizes, axis_name, reselect, wire)
+            mean, message, sent_at, kept = reduced.mean, reduced.message, reduced.sent, reduced.kept
+        elif payload is not None and (mode == "dense" or (chosen.shared and axis_name is not None)):
+            mean = mean_of(payload, sizes, axis_name, mode, chosen.shared)
+            message = VALUE_BYTES * n if mode == "dense" else chosen.bytes
+            sent_at = (payload.indices, payload.values)
+        elif payload is not None:
+            codec = wire.at(capacity, n)
+            mean, values = gathered_mean(payload, sizes, axis_name, codec)
+            message = chosen.bytes if codec.identity else codec.bytes(capacity, n)
+            sent_at = (payload.indices, values)
         # Complex leaves are averaged densely: never left out of the collective.
         others = _dense_mean(others, finite, axis_name)
     message += sum(c.size * c.dtype.itemsize for c in others)

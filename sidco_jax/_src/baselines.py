@@ -15,7 +15,7 @@ import optax
 from jax import lax
 from jax.scipy import special
 
-from sidco_jax._src import fits, passes
+from sidco_jax._src import codecs, fits, passes
 from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     SLOT_BYTES,
@@ -292,6 +292,7 @@ def randomk(
         unknown name.
     """
     ratio = check_ratio(static("ratio", ratio))
+    codecs.refuse("randomk", options, "shares its indices, and only float32 values travel")
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state
@@ -333,5 +334,6 @@ def dense(**options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraAr
       >>> tx.update(g, tx.init(g))[0]
       Array([ 0.1, -5. ,  0.3], dtype=float32)
     """
+    codecs.refuse("dense()", options, "sends every entry, with no indices")
     options = {"error_feedback": False, **options}
     return sparsifier(Rule(empty_init, everything), ratio=1.0, **options)

@@ -8,16 +8,19 @@ the same in every mode here) and ``messages`` the rounds it waits for:
 mode                      messages          bytes received per device
 ========================  ================  =========================================
 ``"dense"`` (ring)        ``2 (P - 1)``     ``2 (P - 1) / P x 4n``
-``"sparse"`` (gather)     ``P - 1``         ``(P - 1) x k x 8``
-``"sparse_allreduce"``    ``2 (P - 1)``     ``(P - 1) x (s + r) x 8``
+``"sparse"`` (gather)     ``P - 1``         ``(P - 1) x B(k, n)``
+``"sparse_allreduce"``    ``2 (P - 1)``     ``(P - 1) x (B(s, n / P) + B(r, n / P))``
 shared indices (psum)     ``2 (P - 1)``     ``2 (P - 1) / P x 4k``
 ========================  ================  =========================================
 
 with ``n`` entries, ``k`` payload slots per device, and for the sparse
 all-reduce ``s = ceil(2k / P)`` slots routed to each region owner and
-``r = ceil(k / P)`` reduced slots per owner (:func:`plan`): its traffic stays
-below ``3 k x 8`` bytes whatever ``P``. Hierarchical aggregation adds a dense
-all-reduce over the fast inner axis and runs the mode over the slow outer one.
+``r = ceil(k / P)`` reduced slots per owner (:func:`plan`). ``B(slots,
+space)`` is the bytes of a message in the compressor's wire format
+(``values=``, ``indices=``): ``8 x slots`` for float32 values and int32
+indices, so the sparse all-reduce stays below ``3 k x 8`` bytes whatever
+``P``. Hierarchical aggregation adds a dense all-reduce over the fast inner
+axis and runs the mode over the slow outer one.
 
 ``communication="auto"`` evaluates this model at trace time, from the static
 sizes and the :class:`Link` a compressor was given, and takes the cheapest
@@ -26,7 +29,8 @@ mode; ``benchmarks/scale.py`` evaluates it past one machine.
 
 from typing import NamedTuple
 
-from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, check_number, static
+from sidco_jax._src import codecs
+from sidco_jax._src.base import VALUE_BYTES, check_number, static
 
 ROUTE_SLACK = 2  # slots per region owner, in units of an even share k / P
 
@@ -92,8 +96,38 @@ def plan(size: int, capacity: int, devices: int) -> Plan:
     )
 
 
+def message_bytes(
+    mode: str,
+    size: int,
+    capacity: int,
+    devices: int,
+    values: str = "float32",
+    indices: str = "int32",
+) -> int:
+    """Bytes of the sparse message one device sends each other device in ``mode``.
+
+    ``"sparse"``: its payload; ``"sparse_allreduce"``: its slots for one owner
+    and, as an owner, its reduced payload. ``values`` and ``indices`` name the
+    wire format (see :func:`sidco_jax.compress`).
+    """
+    codec = codecs.Codec(values, indices)
+    if mode == "sparse":
+        return codec.at(capacity, size).bytes(capacity, size)
+    sizes = plan(size, capacity, devices)
+    return sum(
+        codec.at(slots, sizes.region).bytes(slots, sizes.region)
+        for slots in (sizes.route, sizes.reduced)
+    )
+
+
 def received_bytes(
-    mode: str, size: int, capacity: int, devices: int, shared: bool = False
+    mode: str,
+    size: int,
+    capacity: int,
+    devices: int,
+    shared: bool = False,
+    values: str = "float32",
+    indices: str = "int32",
 ) -> float:
     """Bytes one device receives to average the messages in ``mode``.
 
@@ -104,6 +138,10 @@ def received_bytes(
       devices: devices along the axis (``P``).
       shared: whether every device's payload has the same indices (then only
         the values are summed, in any mode).
+      values: the wire format of the values (``"float32"``, ``"bfloat16"``,
+        ``"int8"``, ``"sign"``).
+      indices: the wire format of the indices (``"int32"``, ``"chunked"``,
+        ``"auto"``).
 
     Returns:
       The bytes (0 on one device).
@@ -113,10 +151,7 @@ def received_bytes(
         return 2 * (p - 1) / p * VALUE_BYTES * size
     if shared:
         return 2 * (p - 1) / p * VALUE_BYTES * capacity
-    if mode == "sparse":
-        return (p - 1) * capacity * SLOT_BYTES
-    sizes = plan(size, capacity, p)
-    return (p - 1) * (sizes.route + sizes.reduced) * SLOT_BYTES
+    return (p - 1) * message_bytes(mode, size, capacity, p, values, indices)
 
 
 def messages(mode: str, devices: int, shared: bool = False) -> int:
@@ -132,9 +167,11 @@ def seconds(
     devices: int,
     link: Link = DEFAULT_LINK,
     shared: bool = False,
+    values: str = "float32",
+    indices: str = "int32",
 ) -> float:
     """Modelled time of one aggregation in ``mode``: latency plus transfer."""
-    wire = received_bytes(mode, size, capacity, devices, shared)
+    wire = received_bytes(mode, size, capacity, devices, shared, values, indices)
     return messages(mode, devices, shared) * link.latency + wire / link.bandwidth
 
 
@@ -146,6 +183,8 @@ def hierarchical_seconds(
     local: int,
     outer: Link = DEFAULT_LINK,
     inner: Link = NODE_LINK,
+    values: str = "float32",
+    indices: str = "int32",
 ) -> float:
     """Modelled time of a dense all-reduce over ``local`` devices, then ``mode`` over ``nodes``.
 
@@ -153,15 +192,25 @@ def hierarchical_seconds(
     outer collective with its own link (one per device, as in a GPU server
     with one network card per GPU).
     """
-    return seconds("dense", size, size, local, inner) + seconds(mode, size, capacity, nodes, outer)
+    outer_seconds = seconds(mode, size, capacity, nodes, outer, False, values, indices)
+    return seconds("dense", size, size, local, inner) + outer_seconds
 
 
 def choose(
-    size: int, capacity: int, devices: int, link: Link = DEFAULT_LINK, shared: bool = False
+    size: int,
+    capacity: int,
+    devices: int,
+    link: Link = DEFAULT_LINK,
+    shared: bool = False,
+    values: str = "float32",
+    indices: str = "int32",
 ) -> str:
     """The mode :func:`seconds` finds cheapest; ties (one device: all free) go to ``"sparse"``.
 
     The sparse all-reduce needs at least one entry per device.
     """
     modes = ["sparse", "dense"] + (["sparse_allreduce"] if devices <= size and not shared else [])
-    return min(modes, key=lambda mode: seconds(mode, size, capacity, devices, link, shared))
+    return min(
+        modes,
+        key=lambda mode: seconds(mode, size, capacity, devices, link, shared, values, indices),
+    )

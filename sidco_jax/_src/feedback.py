@@ -123,23 +123,24 @@ def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.
 
 
 def write_back(u, finite, sent, kept, sizes: Sequence[int]) -> list[jax.Array]:
-    """The residual per part: ``u`` less what this device sent, plus what it kept as an owner.
+    """The residual per part: ``u`` less what this device sent, plus what it kept.
 
     Args:
       u: the parts from :func:`error_feedback`.
       finite: whether every device was finite (else nothing was sent).
-      sent: ``(indices, values)`` this device sent, global indices; None when
-        it sent everything.
-      kept: ``(indices, values)`` it received as an owner of the sparse
-        all-reduce and did not send on (added back), or None.
+      sent: ``(indices, values)`` this device sent, global indices, values as
+        the receivers decode them (so the residual keeps the rounding); None
+        when it sent everything.
+      kept: ``(indices, values)`` pairs to add back: what it received as an
+        owner of the sparse all-reduce and did not send on, and what the
+        rounding of its reduced payload lost.
       sizes: the parts' sizes.
     """
     with jax.named_scope("write_back"):
         if sent is None:
             return [jnp.where(finite, jnp.zeros((), x.dtype), x) for x in u]
         # Subtracted in place, part by part: exactly what was not sent stays.
-        changes = [sent] if kept is None else [sent, (kept[0], -kept[1])]
-        for indices, values in changes:
+        for indices, values in [sent, *((i, -v) for i, v in kept)]:
             local = payload_lib.local_indices(indices, sizes)
             u = [_subtract_at(x, at, values) for x, at in zip(u, local, strict=True)]
         return u

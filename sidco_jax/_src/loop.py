@@ -33,7 +33,7 @@ import optax
 from jax import lax
 
 from sidco_jax._src import aggregate as aggregate_lib
-from sidco_jax._src import costs, feedback, selection
+from sidco_jax._src import codecs, costs, feedback, selection
 from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
@@ -223,6 +223,8 @@ def sparsifier(
     warmup_steps: int = 0,
     layout: Layout = "auto",
     bucket_bytes: int | None = None,
+    values: codecs.ValueCodec = "float32",
+    indices: codecs.IndexCodec = "int32",
 ) -> optax.GradientTransformationExtraArgs:
     """Error feedback and aggregation around a selection rule, as an optax transformation.
 
@@ -286,6 +288,16 @@ def sparsifier(
       bucket_bytes: the most bytes of residual per bucket, a positive int
         (default None: 25 MiB, PyTorch DDP's); a larger leaf is a bucket of
         its own. Static: it sets the buckets' shapes.
+      values: how a sparse message's values travel: ``"float32"`` (default,
+        4 bytes), ``"bfloat16"`` (2), ``"int8"`` (1, with a float32 scale per
+        256 slots) or ``"sign"`` (1 bit, with the mean magnitude per 256
+        slots). The residual keeps whatever the rounding loses. Not used by
+        ``"dense"`` communication, which sums the values as selected.
+      indices: how a sparse message's indices travel: ``"int32"`` (default,
+        4 bytes), ``"chunked"`` (a 2-byte offset in its chunk of ``2**16``
+        entries, and a 4-byte count per chunk) or ``"auto"`` (the smaller
+        for the message's sizes). Lossless. ``"auto"`` communication and
+        the metrics' ``bytes`` count the real message (docs/distributed.md).
 
     Returns:
       The transformation; its state is a :class:`~sidco_jax.CompressState`.
@@ -307,6 +319,8 @@ def sparsifier(
     link = costs.check_link(link)
     warmup_steps = check_integer("warmup_steps", warmup_steps, 0)
     bucket_bytes = layout_lib.check_layout(layout, bucket_bytes)
+    codecs.check(values, indices)
+    wire = codecs.Codec(values, indices)
     by_leaf = granularity == "leaf"
 
     def init(params):
@@ -365,7 +379,7 @@ def sparsifier(
         region_key = jax.random.fold_in(key, len(parts) if by_leaf else 1)
         reselect = _reselect(rule, state.rule, region_key)
         done = aggregate_lib.aggregate(
-            chosen, fed, others, axis_name, communication, link, reselect
+            chosen, fed, others, axis_name, communication, link, reselect, wire
         )
         left = feedback.write_back(
             fed.u, done.figures.finite, done.sent, done.kept, [x.size for x in fed.u]

@@ -13,7 +13,7 @@ from typing import TypedDict
 import jax
 import numpy as np
 
-from sidco_jax._src import costs
+from sidco_jax._src import codecs, costs
 from sidco_jax._src.base import AxisName, Communication, Granularity
 from sidco_jax._src.layout import Layout
 from sidco_jax._src.loop import sparsifier
@@ -37,6 +37,8 @@ class LoopOptions(TypedDict, total=False):
     warmup_steps: int
     layout: Layout
     bucket_bytes: int | None
+    values: codecs.ValueCodec
+    indices: codecs.IndexCodec
 
 
 LOOP_OPTIONS: tuple[str, ...] = tuple(LoopOptions.__annotations__)

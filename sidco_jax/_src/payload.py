@@ -51,6 +51,10 @@ from sidco_jax._src.base import (
 class Payload(NamedTuple):
     """A fixed-size sparse representation of the entries above a threshold.
 
+    The filled slots come first, in ascending index order, then the padding:
+    every compressor's payload keeps that order, which compact index formats
+    rely on (``indices="chunked"``).
+
     Attributes:
       values: ``(capacity,)`` selected values in index order, then zeros.
       indices: ``(capacity,)`` int32 positions in the flattened input; padding
@@ -301,10 +305,13 @@ def strongest(payload: Payload, capacity: int) -> Payload:
         cpu=lambda: top_by_count([magnitudes], capacity)[0].indices,
         default=lambda: lax.top_k(magnitudes, capacity)[1],
     )
+    # The picked slots in slot order, so the index order holds (top_k's is by magnitude).
+    picked = jnp.zeros(magnitudes.shape, jnp.int32).at[pick].set(1)
+    at = jnp.where(picked > 0, _cumsum(picked, 1) - 1, capacity)
+    values = jnp.zeros(capacity, payload.values.dtype).at[at].set(payload.values, mode="drop")
+    indices = jnp.zeros(capacity, jnp.int32).at[at].set(payload.indices, mode="drop")
     selected = jnp.asarray(payload.selected, jnp.int32)
-    return Payload(
-        payload.values[pick], payload.indices[pick], jnp.minimum(selected, capacity), selected
-    )
+    return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
 
 @in_payload_phase
@@ -330,6 +337,7 @@ def largest(
     else:
         mags, pick = lax.top_k(jnp.concatenate(mags), k)
         idx = jnp.concatenate(idx)[pick]
+    idx = jnp.sort(idx)  # top_k's order is by magnitude; a payload's is by index
     pad = capacity - k
     values = jnp.pad(gather(vectors, idx), (0, pad))
     indices = jnp.pad(idx, (0, pad), constant_values=n)
@@ -386,8 +394,8 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
 
     The same entries as ``lax.top_k`` over the concatenation (ties go to the
     lower index), found with :func:`kth_magnitude` and two payload passes
-    instead of a sort: every entry above the k-th magnitude ``t``, then the
-    first of those equal to ``t`` in index order.
+    instead of a sort: every entry above the k-th magnitude ``t``, and the
+    first of those equal to ``t``, merged in index order.
     """
     t = kth_magnitude(vectors, k)
     above = select_above(vectors, t, k)  # fewer than k: all of them
@@ -395,9 +403,17 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
     slot = jnp.arange(k, dtype=jnp.int32)
     tie = (slot < at_least.count) & (jnp.abs(at_least.values).astype(jnp.float32) <= t)
     rank = jnp.cumsum(tie, dtype=jnp.int32)  # 1-based among the ties
-    target = jnp.where(tie & (rank <= k - above.count), above.count + rank - 1, k)
-    values = above.values.at[target].set(at_least.values, mode="drop")
-    indices = above.indices.at[target].set(at_least.indices, mode="drop")
+    taken = tie & (rank <= k - above.count)
+    n = sum(v.shape[0] for v in vectors)  # the padding index, above every entry's
+    ties = jnp.full(k, n, jnp.int32)
+    ties = ties.at[jnp.where(taken, rank - 1, k)].set(at_least.indices, mode="drop")
+    # Each entry's place in the merge: its rank on its side plus those before it on the other.
+    at_above = jnp.where(slot < above.count, slot + _searchsorted(ties, above.indices), k)
+    at_tie = jnp.where(taken, rank - 1 + _searchsorted(above.indices, at_least.indices), k)
+    values = above.values.at[at_above].set(above.values, mode="drop")
+    values = values.at[at_tie].set(at_least.values, mode="drop")
+    indices = above.indices.at[at_above].set(above.indices, mode="drop")
+    indices = indices.at[at_tie].set(at_least.indices, mode="drop")
     count = jnp.minimum(at_least.selected, k)  # k, from data (it varies like the rest)
     return Payload(values, indices, count, count), t
 

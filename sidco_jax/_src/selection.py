@@ -85,18 +85,28 @@ def fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
 
 
 def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
-    """One payload over the concatenated groups from per-group payloads (k-sized)."""
+    """One payload over the concatenated groups from per-group payloads (k-sized).
+
+    Each group's filled slots move ahead of every padding slot, so the merged
+    payload keeps the index order (the groups' ranges follow each other).
+    """
     if len(chosen) == 1:
         return chosen[0].payload
     n = sum(sizes)
     offsets = np.cumsum([0, *sizes[:-1]]).tolist()
-    indices = [
-        jnp.where(c.payload.indices < size, c.payload.indices + offset, n)
-        for c, size, offset in zip(chosen, sizes, offsets, strict=True)
-    ]
+    indices = jnp.concatenate(
+        [
+            jnp.where(c.payload.indices < size, c.payload.indices + offset, n)
+            for c, size, offset in zip(chosen, sizes, offsets, strict=True)
+        ]
+    ).astype(jnp.int32)
+    filled = indices < n
+    ahead = jnp.cumsum(filled, dtype=jnp.int32)
+    at = jnp.where(filled, ahead - 1, ahead[-1] + jnp.cumsum(~filled, dtype=jnp.int32) - 1)
+    values = jnp.concatenate([c.payload.values for c in chosen])
     return payload_lib.Payload(
-        jnp.concatenate([c.payload.values for c in chosen]),
-        jnp.concatenate(indices).astype(jnp.int32),
+        jnp.zeros_like(values).at[at].set(values),
+        jnp.zeros_like(indices).at[at].set(indices),
         sum((c.payload.count for c in chosen), jnp.int32(0)),
         sum((c.payload.selected for c in chosen), jnp.int32(0)),
     )

@@ -17,7 +17,10 @@ owned by device ``i`` along the axis, and one step is
 3. **gather**: one ``all_gather`` of the reduced regions, scattered into the
    mean, identical on every device.
 
-Each device receives about ``(s + k / P) x (P - 1) x 8 <= 3 k x 8`` bytes.
+Each device receives about ``(s + k / P) x (P - 1) x 8 <= 3 k x 8`` bytes
+with float32 values and int32 indices. In a compact wire format (:mod:`codecs`)
+the routed slots travel with indices relative to their owner's region, and an
+owner's residual also keeps what the rounding of its reduced payload lost.
 """
 
 from collections.abc import Callable, Sequence
@@ -27,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import collectives, costs
+from sidco_jax._src import codecs, collectives, costs
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.base import SLOT_BYTES, AxisName
+from sidco_jax._src.base import AxisName
 from sidco_jax._src.payload import Payload
 
 
@@ -38,15 +41,13 @@ class Routed(NamedTuple):
 
     Attributes:
       values: ``(devices, slots)`` float32 values for each owner, zero-padded.
-      indices: ``(devices, slots)`` int32 global indices (``size``: padding).
-      sent: the payload's indices that fit their owner's slots, in payload
-        order; ``size`` for those that did not (they stay in the residual).
+      indices: ``(devices, slots)`` int32 global indices (``size``: padding),
+        ascending in each row; what did not fit stays in the residual.
       count: int32 number of entries that fit.
     """
 
     values: jax.Array
     indices: jax.Array
-    sent: jax.Array
     count: jax.Array
 
 
@@ -56,15 +57,17 @@ class Reduced(NamedTuple):
     Attributes:
       mean: the mean update, one float32 vector per size, invariant across
         the axis.
-      kept_indices: global indices of entries this device received as an
-        owner and did not send on (``size`` for none).
-      kept_values: their values, to add back to this device's residual.
+      sent: ``(indices, values)`` this device routed, global indices
+        (``size``: padding), values as their owners decode them.
+      kept: ``(indices, values)`` pairs to add back to this device's
+        residual: the entries it received as an owner and did not send on,
+        and what the rounding of its reduced payload lost.
       message: static bytes this device sends.
     """
 
     mean: list[jax.Array]
-    kept_indices: jax.Array
-    kept_values: jax.Array
+    sent: tuple[jax.Array, jax.Array]
+    kept: list[tuple[jax.Array, jax.Array]]
     message: int
 
 
@@ -99,14 +102,14 @@ def route(payload: Payload, size: int, devices: int) -> Routed:
     out_indices = (
         jnp.full(devices * slots, size, jnp.int32).at[slot].set(indices[order], mode="drop")
     )
-    sent = jnp.full_like(indices, size).at[order].set(jnp.where(fits, indices[order], size))
     shape = (devices, slots)
     return Routed(
-        out_values.reshape(shape),
-        out_indices.reshape(shape),
-        sent,
-        jnp.sum(fits, dtype=jnp.int32),
+        out_values.reshape(shape), out_indices.reshape(shape), jnp.sum(fits, dtype=jnp.int32)
     )
+
+
+def _all_to_all(message: codecs.Message, axis_name: AxisName) -> codecs.Message:
+    return jax.tree.map(lambda x: lax.all_to_all(x, axis_name, 0, 0, tiled=True), message)
 
 
 def exchange(
@@ -114,6 +117,7 @@ def exchange(
     sizes: Sequence[int],
     axis_name: AxisName,
     reselect: Callable[[jax.Array], Payload],
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> Reduced:
     """The mean over ``axis_name`` of every device's routed payload.
 
@@ -123,6 +127,7 @@ def exchange(
       axis_name: the mesh axis (or tuple of axes) to average over.
       reselect: the owner's selection: given its region's float32 sum, a
         payload indexed within the region (the region's length = padding).
+      wire: the :class:`~sidco_jax._src.codecs.Codec` of both messages.
 
     Returns:
       A :class:`Reduced`.
@@ -130,24 +135,41 @@ def exchange(
     size = sum(sizes)
     devices, slots = routed.values.shape
     region = -(-size // devices)
-    values = lax.all_to_all(routed.values, axis_name, 0, 0, tiled=True).reshape(-1)
-    indices = lax.all_to_all(routed.indices, axis_name, 0, 0, tiled=True).reshape(-1)
+    owners = jnp.arange(devices, dtype=jnp.int32)[:, None] * region
+    # Routed: each row relative to its owner's region.
+    codec = wire.at(slots, region)
+    relative = jnp.where(routed.indices < size, routed.indices - owners, region)
+    message = codec.encode(routed.values, relative, region)
+    sent = (routed.indices.reshape(-1), codec.decode_values(message, slots).reshape(-1))
+    values, local = codec.decode(_all_to_all(message, axis_name), slots, region)
+    values, local = values.reshape(-1), local.reshape(-1)
 
     start = lax.axis_index(axis_name) * region
-    local = jnp.where(indices < size, indices - start, region)  # padding: dropped
     summed = jnp.zeros(region, values.dtype).at[local].add(values, mode="drop")
     chosen = reselect(summed)
     picked = jnp.zeros(region, bool).at[chosen.indices].set(True, mode="drop")
     keep = (local < region) & ~picked[jnp.minimum(local, region - 1)]
 
+    # Reduced: one row per owner, relative to its region, then made global.
+    reduced_slots = chosen.values.shape[0]
+    reduced_codec = wire.at(reduced_slots, region)
+    mine = reduced_codec.encode(chosen.values[None], chosen.indices[None], region)
+    rounding = chosen.values - reduced_codec.decode_values(mine, reduced_slots)[0]
+    gathered = jax.tree.map(lambda x: x[:, 0], collectives.all_gather(mine, axis_name))
+    share, reduced = reduced_codec.decode(gathered, reduced_slots, region)
     # The region may run past the last entry; those slots hold zeros: dropped.
-    reduced = jnp.where(chosen.indices < region, chosen.indices + start, size)
-    reduced = jnp.where(reduced < size, reduced, size).astype(jnp.int32)
-    share = chosen.values / devices  # divided on the small payload
-    share, reduced = collectives.all_gather((share, reduced), axis_name)
+    reduced = jnp.where(reduced < region, reduced + owners, size)
+    reduced = jnp.where(reduced < size, reduced, size).reshape(-1)
+
+    def global_(at):
+        return jnp.where(at < region, at + start, size)
+
     return Reduced(
-        mean=payload_lib.scatter(share, reduced, sizes),
-        kept_indices=jnp.where(keep, indices, size),
-        kept_values=jnp.where(keep, values, jnp.zeros((), values.dtype)),
-        message=(devices * slots + chosen.values.shape[0]) * SLOT_BYTES,
+        mean=payload_lib.scatter((share / devices).reshape(-1), reduced, sizes),
+        sent=sent,
+        kept=[
+            (jnp.where(keep, local + start, size), jnp.where(keep, values, 0.0)),
+            (global_(chosen.indices), rounding),
+        ],
+        message=codec.bytes(slots, region, devices) + reduced_codec.bytes(reduced_slots, region),
     )
