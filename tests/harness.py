@@ -248,6 +248,12 @@ def _entry_lines(jitted, args, shape: tuple[int, ...]) -> list[str]:
     return [line for line in lines if any(w in line for w in wanted)]
 
 
+def full_size_lines(jitted, *args, shape: tuple[int, ...]) -> list[str]:
+    """Lines of the compiled entry computation of ``jitted(*args)`` that name an f32 array
+    of ``shape``, or of its flattened size: the passes over it."""
+    return _entry_lines(jitted, args, shape)
+
+
 def full_size_copies(jitted, *args, shape: tuple[int, ...]) -> list[str]:
     """Lines of the compiled entry computation of ``jitted(*args)`` that copy an f32 array
     of ``shape``, or of its flattened size."""

@@ -20,6 +20,7 @@ from harness import (
     copies,
     device_residual,
     flat_residual,
+    full_size_lines,
     gradient_stream,
     params_tree,
     quick_first,
@@ -151,6 +152,20 @@ def test_bytes_in_the_metrics_are_the_messages(values, indices):
     _, state = tx.update(jnp.linspace(-1.0, 1.0, n), tx.init(jnp.zeros(n)))
     k = sidco.capacity(n, ratio)
     assert int(sidco.metrics(state)["bytes"]) == codecs.Codec(values, indices).bytes(k, n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("values", "indices"), [("int8", "chunked"), ("sign", "chunked")])
+def test_decoding_adds_no_pass_over_the_gradient(values, indices):
+    # Coding works on the k slots: the compiled update names a gradient-sized array
+    # exactly as often as the default's (decoding feeds the scatter that forms the update).
+    grads = jnp.zeros((64, 512))
+
+    def passes(**wire):
+        tx = sidco.compress(0.01, **wire)
+        return len(full_size_lines(jax.jit(tx.update), grads, tx.init(grads), shape=(64, 512)))
+
+    assert passes(values=values, indices=indices) == passes()
 
 
 @pytest.mark.parametrize("build", [sidco.randomk, lambda ratio, **kw: sidco.dense(**kw)])

@@ -205,6 +205,7 @@ def test_fill_fills_where_the_paper_adaptation_does_not_without_recompiling(rng)
     assert etas[1] > etas[0]
 
 
+@pytest.mark.slow
 def test_fill_factor_is_the_same_on_every_device(rng):
     tx = sidco.compress(0.01, adaptation="fill", axis_name=AXIS)
     mesh = mesh_of(DEVICES)
@@ -280,6 +281,7 @@ def test_fill_tries_the_last_threshold_first_and_refits_only_where_it_misses(rng
         np.testing.assert_array_equal(np.flatnonzero(np.asarray(sent)), top)
 
 
+@pytest.mark.slow
 def test_fill_per_leaf_has_no_last_threshold(rng):
     params = {"w": np.zeros((60, 50), np.float32), "b": np.zeros(300, np.float32)}
     tx = sidco.compress(0.01, adaptation="fill", granularity="leaf")
