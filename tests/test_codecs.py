@@ -203,20 +203,25 @@ def test_eight_devices_lose_nothing_and_replicas_agree(rng, mode, values, indice
 WIDE = {"w": (600, 500), "b": (40,), "v": (3001,)}  # 303,041 entries: 5 chunks, 2 per region
 
 
+def _step(tx, mesh, specs, data):
+    """A jitted ``shard_map`` update over ``data``: the update replicated, the state ``specs``."""
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(specs, jax.P(data)), out_specs=(jax.P(), specs)
+    )
+    def step(state, grads):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+
+    return step
+
+
 def _run_wide(tx, rng, steps=3, devices=2):
     """``tx`` on 2 devices over a gradient wider than two chunks, dyadic values (many ties)."""
     mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
     params = sidco.parallel.place({k: jnp.zeros(s) for k, s in WIDE.items()}, mesh)
     state = sidco.parallel.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.parallel.state_specs(state, AXIS)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(specs, jax.P(AXIS)), out_specs=(jax.P(), specs)
-    )
-    def step(state, grads):
-        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
-
+    step = _step(tx, mesh, sidco.parallel.state_specs(state, AXIS), AXIS)
     out = []
     for _ in range(steps):
         grads = {
@@ -266,21 +271,14 @@ def test_hierarchical_warm_up_and_accumulation_lose_nothing(rng):
         tx, sidco.parallel.place(params_tree(), mesh), mesh, "node", accumulator_axis=every
     )
     specs = sidco.parallel.state_specs(state, "node", accumulator_axis=every)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(specs, jax.P(every)), out_specs=(jax.P(), specs)
-    )
-    def step(state, grads):
-        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
-
+    step = _step(tx, mesh, specs, every)
     updates = []
     for grads in stream:
         update, state = step(state, sidco.parallel.place(grads, mesh, jax.P(every)))
         updates.append(update)
     # 2 nodes x the updates and both nodes' residuals: the sum of every gradient over 8.
     given = [jax.tree.map(lambda g: g.sum(0) / 8, grads) for grads in stream]
-    lost = _lost(given, updates, state.inner, 2) / 1
+    lost = _lost(given, updates, state.inner, 2)
     np.testing.assert_allclose(lost, 0.0, atol=1e-4)
 
 
