@@ -95,6 +95,35 @@ def run_shard_map(tx, stream, devices=DEVICES, start=None):
     return updates, states, params
 
 
+def run_on_mesh(tx, stream, mesh, state_axes, params=None):
+    """``tx`` under ``shard_map(check_vma=True)`` on ``mesh``, gradients split over all its axes.
+
+    The residuals are split over ``state_axes``. Returns every step's update
+    and the last state.
+    """
+    params = jax.device_put(params_tree() if params is None else params, NamedSharding(mesh, P()))
+    state = sidco.parallel.shard_init(tx, params, mesh, state_axes)
+    specs = sidco.parallel.state_specs(state, state_axes)
+    every = tuple(mesh.axis_names)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), specs, P(every)),
+        out_specs=(P(), specs),
+        check_vma=True,
+    )
+    def step(params, state, grads):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+
+    updates = []
+    for grads in stream:
+        update, state = step(params, state, jax.device_put(grads, NamedSharding(mesh, P(every))))
+        updates.append(update)
+    return updates, state
+
+
 def per_device_step(tx, mesh, state, axes=AXIS):
     """A jitted ``shard_map`` step over ``axes``: per-device gradients in, per-device updates out.
 
@@ -162,18 +191,20 @@ def train_least_squares(
     per_device: int = 16,
     features: int = 256,
     hierarchical: bool = False,
+    sharded: bool = False,
 ):
     """Data-parallel least squares over every device of every process (``jax.devices()``).
 
     The same on one process with 8 devices and on several processes: the data
     come from a fixed seed and each process supplies only its devices' rows.
     ``hierarchical`` runs on a 2 x (devices / 2) mesh: the gradient averaged
-    densely over ``"local"`` and compressed over ``"node"``.
+    densely over ``"local"`` and compressed over ``"node"``; ``sharded`` too,
+    each device of a node compressing its slice (``inner_shards``).
 
     Returns:
       The final weights and the compressor's metrics, as NumPy values.
     """
-    params, state = least_squares_state(steps, ratio, per_device, features, hierarchical)
+    params, state = least_squares_state(steps, ratio, per_device, features, hierarchical, sharded)
     metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
     return np.asarray(params.addressable_data(0)), metrics
 
@@ -184,13 +215,18 @@ def least_squares_state(
     per_device: int = 16,
     features: int = 256,
     hierarchical: bool = False,
+    sharded: bool = False,
 ):
     """The global ``(params, opt_state)`` of :func:`train_least_squares` after ``steps``."""
     devices = jax.device_count()
     if hierarchical:
         mesh = jax.make_mesh((2, devices // 2), ("node", "local"))
-        axis, data_axes = "node", ("node", "local")
-        compressor = sidco.compress(ratio, axis_name="node", inner_axis="local")
+        data_axes = ("node", "local")
+        axis = data_axes if sharded else "node"
+        shards = devices // 2 if sharded else None
+        compressor = sidco.compress(
+            ratio, axis_name="node", inner_axis="local", inner_shards=shards
+        )
     else:
         mesh = jax.make_mesh((devices,), (AXIS,))
         axis, data_axes = AXIS, AXIS

@@ -16,7 +16,7 @@ from harness import (
     flat_residual,
     gradient_stream,
     mesh_of,
-    params_tree,
+    run_on_mesh,
     run_shard_map,
 )
 from jax.sharding import NamedSharding
@@ -113,36 +113,11 @@ def _mesh_2x4():
     return jax.make_mesh((2, 4), (NODE, LOCAL), devices=jax.devices()[:8])
 
 
-def _hierarchical_run(tx, stream, mesh, state_axis):
-    """``tx`` under shard_map on the 2 x 4 mesh, gradients split over both axes."""
-    params = jax.device_put(params_tree(), NamedSharding(mesh, P()))
-    state = sidco.parallel.shard_init(tx, params, mesh, state_axis)
-    specs = sidco.parallel.state_specs(state, state_axis)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(specs, P((NODE, LOCAL))),
-        out_specs=(P(), specs),
-        check_vma=True,
-    )
-    def step(state, grads):
-        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
-
-    updates = []
-    for grads in stream:
-        grads = jax.device_put(grads, NamedSharding(mesh, P((NODE, LOCAL))))
-        update, state = step(state, grads)
-        updates.append(update)
-    return updates, state
-
-
 @pytest.mark.parametrize("communication", ["sparse", "dense", "sparse_allreduce"])
 def test_hierarchical_equals_compressing_the_node_means(rng, communication):
     stream = gradient_stream(rng, 6)
     tx = sidco.compress(0.02, axis_name=NODE, inner_axis=LOCAL, communication=communication)
-    got, state = _hierarchical_run(tx, stream, _mesh_2x4(), NODE)
+    got, state = run_on_mesh(tx, stream, _mesh_2x4(), NODE)
     # The reference: two devices, each given its node's mean gradient (exact: dyadic / 4).
     node_means = [jax.tree.map(lambda g: g.reshape(2, 4, *g.shape[1:]).mean(1), s) for s in stream]
     flat = sidco.compress(0.02, axis_name=AXIS, communication=communication)
@@ -171,7 +146,7 @@ def test_every_mode_at_ratio_one_is_the_dense_mean(rng, communication):
         if mesh_kind == "flat":
             updates, _, _ = run_shard_map(tx, stream)
         else:
-            updates, _ = _hierarchical_run(tx, stream, _mesh_2x4(), NODE)
+            updates, _ = run_on_mesh(tx, stream, _mesh_2x4(), NODE)
         for update, grads in zip(updates, stream, strict=True):
             for key in SHAPES:
                 np.testing.assert_array_equal(update[key], grads[key].mean(0), err_msg=mesh_kind)
@@ -179,7 +154,7 @@ def test_every_mode_at_ratio_one_is_the_dense_mean(rng, communication):
 
 def test_hierarchical_dense_is_the_mean_over_both_axes(rng):
     stream = gradient_stream(rng, 2)
-    updates, _ = _hierarchical_run(
+    updates, _ = run_on_mesh(
         sidco.dense(axis_name=NODE, inner_axis=LOCAL), stream, _mesh_2x4(), NODE
     )
     for update, grads in zip(updates, stream, strict=True):

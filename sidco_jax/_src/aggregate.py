@@ -192,6 +192,7 @@ def aggregate(
     link: costs.Link,
     reselect: Callable[[jax.Array], payload_lib.Payload],
     wire: codecs.Codec = codecs.DEFAULT,
+    agree_over: AxisName | None = None,
 ) -> Aggregated:
     """The mean over ``axis_name`` of every device's choice, in the resolved mode.
 
@@ -204,6 +205,8 @@ def aggregate(
       link: the link of ``axis_name`` for ``"auto"``.
       reselect: the owner's selection in the sparse all-reduce.
       wire: the sparse messages' :class:`~sidco_jax._src.codecs.Codec`.
+      agree_over: the axes the step's figures are agreed over (default
+        ``axis_name``): in the sharded hierarchy, the inner axis's too.
     """
     sizes = [x.size for x in fed.u]
     n = sum(sizes)
@@ -220,7 +223,7 @@ def aggregate(
         count = payload.count if routed is None else routed.count
         sent, selected = jnp.where(fed.finite, count, 0), payload.selected
     local = Figures(fed.finite, sent, selected, chosen.thresholds, fed.dropped)
-    figures = agree(axis_name, local)
+    figures = agree(axis_name if agree_over is None else agree_over, local)
     finite, sent_at, kept = figures.finite, None, []
     with jax.named_scope("aggregate"):
         if payload is None:

@@ -386,14 +386,15 @@ def float_vectors(x, caller: str) -> list[jax.Array]:
     return leaves
 
 
-def _axes(axis_name) -> tuple:
+def axis_names(axis_name) -> tuple:
+    """``axis_name`` as a tuple of names."""
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def check_axis(axis_name, communication: str = "auto", inner_axis=None) -> None:
     """Validates ``axis_name``, ``communication`` and ``inner_axis`` (raises ``ValueError``)."""
     for name, value in (("axis_name", axis_name), ("inner_axis", inner_axis)):
-        names = _axes(value)
+        names = axis_names(value)
         if value is not None and not (names and all(isinstance(a, str) for a in names)):
             raise ValueError(
                 f"{name} must be None, a mesh axis name or a tuple of them, got {value!r}"
@@ -406,7 +407,7 @@ def check_axis(axis_name, communication: str = "auto", inner_axis=None) -> None:
             f"inner_axis={inner_axis!r} needs an axis_name to compress over (the slow axis "
             "across nodes); without one, average over the inner axis yourself"
         )
-    if set(_axes(inner_axis)) & set(_axes(axis_name)):
+    if set(axis_names(inner_axis)) & set(axis_names(axis_name)):
         raise ValueError(
             f"inner_axis={inner_axis!r} must differ from axis_name={axis_name!r}: the inner "
             "axis is averaged densely, axis_name is compressed"

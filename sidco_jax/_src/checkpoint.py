@@ -30,6 +30,7 @@ from sidco_jax._src import layout as layout_lib
 from sidco_jax._src import manifest, storage
 from sidco_jax._src.base import CompressState
 from sidco_jax._src.sharding import is_residual
+from sidco_jax._src.slices import Slices
 
 
 class ResidualWarning(UserWarning):
@@ -162,6 +163,11 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         abstract = [_abstract(leaf) for _, leaf in flat]
         marks = jax.tree.leaves(is_residual(as_saved))
         saved, entries = _by_name(tree), [described.get(manifest.key(k)) for k, _ in flat]
+        for (keys, _), leaf, sliced, entry in zip(
+            flat, abstract, jax.tree.leaves(_in_slices(as_saved)), entries, strict=True
+        ):
+            if sliced and entry is not None:
+                _check_slice(jax.tree_util.keystr(keys), entry, leaf)
         wanted = [
             _request(path, keys, leaf, mark, saved.get(manifest.key(keys)), entry)
             for (keys, _), leaf, mark, entry in zip(flat, abstract, marks, entries, strict=True)
@@ -248,6 +254,42 @@ def _check_residual(name: str, saved_shape: tuple, saved_device: tuple | None, t
     )
 
 
+def _in_slices(tree) -> Any:
+    """A tree like ``tree`` with True at every leaf of a sharded hierarchy's residual."""
+
+    def mark(node):
+        marks = jax.tree.map(lambda _: False, node)
+        if _is_state(node) and isinstance(node.residual, Slices):
+            marks = marks._replace(residual=jax.tree.map(lambda _: True, node.residual))
+        return marks
+
+    return jax.tree.map(mark, tree, is_leaf=_is_state)
+
+
+def _check_slice(name: str, entry: manifest.Leaf, target) -> None:
+    """Refuses a residual slice saved for another node size, or on another number of devices.
+
+    Each device held ``1/inner_shards`` of its node's residual: on a node of
+    another size the slices cut the buckets elsewhere, and the mean that
+    redistributes residuals over a new number of devices would mix slices.
+    """
+    sharding = getattr(target, "sharding", None)
+    device = tuple(sharding.shard_shape(target.shape)) if sharding else None
+    if entry.device_shape and device and entry.device_shape != device:
+        raise ValueError(
+            f"{name} is a slice of a node's residual saved with {entry.device_shape[0]} entries "
+            f"per device and the target's slices have {device[0]}: inner_shards (the devices "
+            "of a node sharing its compression) differs from the saved run's; restore onto "
+            "nodes of the saved size"
+        )
+    if tuple(entry.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{name} is a slice of a node's residual saved for {entry.shape[0]} entries over "
+            f"all devices and the target's is for {target.shape[0]}: a residual sharded over "
+            "a node's devices (inner_shards) restores only onto the saved number of devices"
+        )
+
+
 def _subtree(tree, names: tuple):
     """The node of a metadata tree (dicts and lists) at ``names`` (of ``manifest.key``), or None."""
     for name in names:
@@ -277,6 +319,13 @@ def _as_saved(target, saved):
         stored = _subtree(saved, (*manifest.key(keys), "residual"))
         if stored is None or _leaf_names(stored, _has_shape) == _leaf_names(node.residual):
             return node  # the same layout (orbax names anything missing)
+        held, wanted = _describe_saved(stored), layout_lib.describe(node.residual)
+        if "slices" in held + wanted:
+            raise ValueError(
+                f"{jax.tree_util.keystr(keys)}.residual was saved in the {held!r} layout and the "
+                f"target's is {wanted!r}: a residual sharded over a node's devices "
+                "(inner_shards) converts to no other layout"
+            )
         shape = jax.tree.map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)),
             stored,
@@ -326,6 +375,8 @@ def _relayout(saved, target):
 
 def _describe_saved(residual) -> str:
     """The layout of a residual as orbax returns it (NamedTuples become dicts)."""
+    if isinstance(residual, dict) and set(residual) == {"slices"}:
+        return layout_lib.describe(Slices(()))
     return "buckets" if isinstance(residual, dict) and set(residual) == {"buckets"} else "tree"
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidco_jax._src.base import check_choice, check_integer, is_float, static
+from sidco_jax._src.slices import Slices
 
 Layout = Literal["auto", "tree", "buckets"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
@@ -167,6 +168,8 @@ def unpack(parts: Sequence[Part], arrays: Sequence[jax.Array], like: Sequence) -
 
 def describe(residual) -> str:
     """The layout a stored residual is in, for error messages."""
+    if isinstance(residual, Slices):
+        return "slices (inner_shards)"
     return "buckets" if isinstance(residual, Buckets) else "tree"
 
 

@@ -33,7 +33,7 @@ import optax
 from jax import lax
 
 from sidco_jax._src import aggregate as aggregate_lib
-from sidco_jax._src import codecs, costs, feedback, selection
+from sidco_jax._src import codecs, costs, feedback, selection, slices
 from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
@@ -43,6 +43,7 @@ from sidco_jax._src.base import (
     CompressState,
     Granularity,
     Rule,
+    axis_names,
     check_axis,
     check_common,
     check_integer,
@@ -53,6 +54,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.eager import compiled_when_eager
 from sidco_jax._src.layout import Buckets, Layout
+from sidco_jax._src.slices import Slices
 from sidco_jax._src.warmup import warmed_up
 
 
@@ -117,10 +119,10 @@ def _check_tree(updates, residual) -> None:
             )
 
 
-def _check_buckets(residual: Buckets, parts) -> None:
-    """Refuses a gradient that does not pack into the buckets ``init`` made."""
-    have = [(b.shape[0], str(b.dtype)) for b in residual.buckets]
-    want = [(p.size, str(p.dtype)) for p in parts]
+def _check_buckets(residual: Buckets | Slices, parts, shards: int | None) -> None:
+    """Refuses a gradient that does not pack into the buckets (or slices) ``init`` made."""
+    have = [(b.shape[0], str(b.dtype)) for b in residual[0]]
+    want = [(slices.length(p.size, shards or 1), str(p.dtype)) for p in parts]
     if have != want:
         raise ValueError(
             f"the gradient packs into buckets of (entries, dtype) {want}, but init made "
@@ -129,9 +131,17 @@ def _check_buckets(residual: Buckets, parts) -> None:
         )
 
 
-def _check_layout(asked: str, residual) -> str:
+def _check_layout(asked: str, residual, sharded: bool) -> str:
     """The layout ``residual`` is stored in, refused where the compressor asked for another."""
     held = layout_lib.describe(residual)
+    if sharded != isinstance(residual, Slices):
+        raise ValueError(
+            f"the state holds a residual in the {held!r} layout, but this compressor "
+            + ("shards" if sharded else "does not shard")
+            + " it over inner_axis (inner_shards): take the state from its init"
+        )
+    if sharded:
+        return "buckets"  # the slices of the buckets
     if asked != "auto" and asked != held:
         raise ValueError(
             f"the state holds a residual in the {held!r} layout, but this compressor was built "
@@ -141,11 +151,12 @@ def _check_layout(asked: str, residual) -> str:
     return held
 
 
-def _init_residual(params, layout: str, bucket_bytes: int, by_leaf: bool):
-    """A zero residual: a tree like ``params`` (``"tree"``) or :class:`Buckets`."""
-    if layout == "buckets":
+def _init_residual(params, layout: str, bucket_bytes: int, by_leaf: bool, shards: int | None):
+    """A zero residual: a tree like ``params`` (``"tree"``), :class:`Buckets` or :class:`Slices`."""
+    if shards is not None or layout == "buckets":
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
-        return layout_lib.empty(layout_lib.plan(floats, layout, bucket_bytes, by_leaf))
+        parts = layout_lib.plan(floats, "buckets", bucket_bytes, by_leaf)
+        return layout_lib.empty(parts) if shards is None else slices.empty(parts, shards)
 
     def zero(leaf):
         return jnp.zeros(_residual_shape(leaf), layout_lib.residual_dtype(leaf))
@@ -161,16 +172,16 @@ def _residual_parts(residual, parts, float_at) -> list[jax.Array]:
     """
     if residual is None:
         return [jnp.zeros((), p.dtype) for p in parts]
-    if isinstance(residual, Buckets):
-        return list(residual.buckets)
+    if isinstance(residual, Buckets | Slices):
+        return list(residual[0])
     leaves = jax.tree.leaves(residual)
     return layout_lib.pack(parts, [leaves[i] for i in float_at])
 
 
 def _stored(residual, parts, left, float_at):
     """The new residual in ``residual``'s storage, from the parts ``left``."""
-    if isinstance(residual, Buckets):
-        return Buckets(tuple(left))
+    if isinstance(residual, Buckets | Slices):
+        return type(residual)(tuple(left))
     leaves, treedef = jax.tree.flatten(residual)
     floats = [leaves[i] for i in float_at]
     for j, x in layout_lib.unpack(parts, left, floats).items():
@@ -219,6 +230,7 @@ def sparsifier(
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
+    inner_shards: int | None = None,
     link: costs.Link | None = None,
     warmup_steps: int = 0,
     layout: Layout = "auto",
@@ -271,6 +283,16 @@ def sparsifier(
         of a node then holds and compresses the same vector, so the residual
         is per node: shard it over ``axis_name`` only
         (``state_specs(state, axis_name)``).
+      inner_shards: None (default: as above) or the number of devices along
+        ``inner_axis``: the node's devices share the compression instead.
+        The gradient is reduce-scattered (``psum_scatter``) over
+        ``inner_axis``, each device runs error feedback, selection and the
+        ``communication`` mode over ``axis_name`` on its ``1/inner_shards``
+        slice of every bucket, and an ``all_gather`` over ``inner_axis``
+        puts the update back together. Each device keeps the residual of
+        its slice (one flat slice per bucket), so shard it over both
+        axes (``state_specs(state, (axis_name, inner_axis))``). Needs the
+        bucketed layout (``"auto"`` takes it).
       link: a :class:`~sidco_jax.costs.Link` (latency, bandwidth) of
         ``axis_name`` for ``"auto"``; default ``Link()`` (5 us, 100 Gbit/s).
       warmup_steps: the first ``warmup_steps`` steps send the dense mean of
@@ -316,6 +338,7 @@ def sparsifier(
     ratio = check_common(ratio, granularity, error_feedback)
     seed = check_seed(seed)
     check_axis(axis_name, communication, inner_axis)
+    shards = slices.check(inner_shards, inner_axis, layout)
     link = costs.check_link(link)
     warmup_steps = check_integer("warmup_steps", warmup_steps, 0)
     bucket_bytes = layout_lib.check_layout(layout, bucket_bytes)
@@ -325,12 +348,17 @@ def sparsifier(
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
-        _check_size(sum(int(np.prod(jnp.shape(leaf))) for leaf in floats))
+        n = sum(int(np.prod(jnp.shape(leaf))) for leaf in floats)
+        _check_size(n)
+        if shards is not None:
+            slices.check_size(n, shards)
         zero = jnp.zeros((), jnp.int32)
         eta = jnp.zeros((len(floats),) if by_leaf else (), jnp.float32)
         residual = None
         if error_feedback:
-            residual = _init_residual(params, layout_lib.resolve(layout), bucket_bytes, by_leaf)
+            residual = _init_residual(
+                params, layout_lib.resolve(layout), bucket_bytes, by_leaf, shards
+            )
         return CompressState(
             residual=residual,
             count=zero,
@@ -351,46 +379,68 @@ def sparsifier(
         if n == 0 and not complex_at:
             return updates, state._replace(count=next_count(state.count))
         devices = _devices(axis_name)
-        held = layout_lib.resolve(layout)
+        held = "buckets" if shards is not None else layout_lib.resolve(layout)
         if error_feedback:
-            held = _check_layout(layout, state.residual)
+            held = _check_layout(layout, state.residual, shards is not None)
         parts = layout_lib.plan(grads, held, bucket_bytes, by_leaf)
         if error_feedback and held == "tree":
             _check_tree(updates, state.residual)
         elif error_feedback:
-            _check_buckets(state.residual, parts)
+            _check_buckets(state.residual, parts, shards)
         others = [jnp.asarray(leaves[i]) for i in complex_at]
 
         with jax.named_scope("pack"):
             g = layout_lib.pack(parts, grads)
             if inner_axis is not None:
                 # Hierarchical: the node's mean first, over the fast links; every
-                # device of the node then compresses the same vector identically.
+                # device of the node then compresses the same vector identically,
+                # or (sharded) its own slice of it.
                 _devices(inner_axis)
-                g, others = lax.pmean((g, others), inner_axis)
+                if shards is not None:
+                    slices.check_bound(inner_axis, shards)
+                    g = slices.scatter(g, parts, inner_axis, shards)
+                    others = lax.pmean(others, inner_axis)
+                else:
+                    g, others = lax.pmean((g, others), inner_axis)
             r = _residual_parts(state.residual if error_feedback else None, parts, float_at)
         fed = feedback.error_feedback(list(zip(g, r, strict=True)), others, error_feedback)
 
         key = jax.random.fold_in(jax.random.key(seed), state.count)
         leaf_info = [(i, grads[i].dtype, grads[i].size) for p in parts for i in p.leaves]
+        spans = None
+        if shards is not None:
+            spans = slices.spans(parts, [s for *_, s in leaf_info], inner_axis, shards)
         chosen = selection.select(
-            rule, fed.u, fed.abs_sums, state.rule, key, leaf_info, len(grads) if by_leaf else None
+            rule,
+            fed.u,
+            fed.abs_sums,
+            state.rule,
+            key,
+            leaf_info,
+            len(grads) if by_leaf else None,
+            spans,
         )
         region_key = jax.random.fold_in(key, len(parts) if by_leaf else 1)
         reselect = _reselect(rule, state.rule, region_key)
+        everyone = axis_name  # the axes the step's figures are agreed over
+        if shards is not None:
+            everyone = (*axis_names(axis_name), *axis_names(inner_axis))
         done = aggregate_lib.aggregate(
-            chosen, fed, others, axis_name, communication, link, reselect, wire
+            chosen, fed, others, axis_name, communication, link, reselect, wire, everyone
         )
         left = feedback.write_back(
             fed.u, done.figures.finite, done.sent, done.kept, [x.size for x in fed.u]
         )
 
         with jax.named_scope("unpack"):
+            if shards is not None:
+                done = done._replace(mean=slices.gather(done.mean, parts, inner_axis))
             out = _unpack(parts, leaves, float_at, complex_at, done)
             residual = state.residual
             if error_feedback:
                 residual = _stored(state.residual, parts, left, float_at)
-        last = _metrics(ratio, done, n * devices)
+        copies = devices if shards is None else devices * shards
+        last = _metrics(ratio, done, sum(x.size for x in fed.u) * copies)
         new_state = CompressState(
             residual, next_count(state.count), last, rule.observe(state.rule, last)
         )

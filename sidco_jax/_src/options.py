@@ -33,6 +33,7 @@ class LoopOptions(TypedDict, total=False):
     axis_name: AxisName | None
     communication: Communication
     inner_axis: AxisName | None
+    inner_shards: int | None
     link: costs.Link | None
     warmup_steps: int
     layout: Layout

@@ -8,6 +8,7 @@ sent value is rounded to its leaf's dtype so that the residual keeps the
 rounding.
 """
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -112,13 +113,14 @@ def _merge(chosen: list[Selection], sizes: list[int]) -> payload_lib.Payload:
     )
 
 
-def _round_to_leaves(values, indices, dtypes, sizes):
+def _round_to_leaves(values, indices, dtypes, spans):
     """Rounds each sent value to the dtype of the leaf it belongs to, saturating.
 
     The update leaves in the gradient's dtype; rounding here, on the payload,
     lets the residual keep the rounding error so that bf16/fp16 lose nothing.
     A value beyond the dtype's range is sent as its largest finite value, and
-    the residual keeps the excess: an update is never infinite.
+    the residual keeps the excess: an update is never infinite. ``spans``
+    are each leaf's ``(start, stop)`` among the payload's indices.
     """
 
     def rounded(dtype):
@@ -130,9 +132,8 @@ def _round_to_leaves(values, indices, dtypes, sizes):
         return values
     if all(narrow) and len(set(dtypes)) == 1:
         return rounded(dtypes[0])
-    offsets = np.cumsum([0, *sizes])
     out = values
-    for dtype, start, stop, cut in zip(dtypes, offsets[:-1], offsets[1:], narrow, strict=True):
+    for dtype, (start, stop), cut in zip(dtypes, spans, narrow, strict=True):
         if cut:
             mine = (indices >= start) & (indices < stop)
             out = jnp.where(mine, rounded(dtype), out)
@@ -160,6 +161,7 @@ def select(
     key: jax.Array,
     leaves: Sequence[tuple[int, np.dtype, int]],
     by_leaf: int | None = None,
+    spans: Sequence | None = None,
 ) -> Chosen:
     """Runs ``rule`` on all parts at once, or on each on its own, and merges the choices.
 
@@ -175,6 +177,8 @@ def select(
       by_leaf: None to select over all parts at once (``granularity="model"``),
         else the number of floating-point leaves: each part, one leaf, is
         selected on its own and gets its own threshold.
+      spans: each leaf's ``(start, stop)`` among the parts' concatenated
+        entries (default: the leaves follow each other, by ``leaves``' sizes).
     """
     groups = [[i] for i in range(len(u))] if by_leaf is not None else [list(range(len(u)))]
     groups = [g for g in groups if g]
@@ -197,8 +201,11 @@ def select(
     if not chosen or chosen[0].payload is None:
         return Chosen(None, thresholds, 0, shared)
     payload = _merge(chosen, [sum(u[i].size for i in group) for group in groups])
-    dtypes, sizes = [d for _, d, _ in leaves], [s for _, _, s in leaves]
+    if spans is None:
+        offsets = np.cumsum([0, *(s for _, _, s in leaves)]).tolist()
+        spans = list(itertools.pairwise(offsets))
+    dtypes = [d for _, d, _ in leaves]
     payload = payload._replace(
-        values=_round_to_leaves(payload.values, payload.indices, dtypes, sizes)
+        values=_round_to_leaves(payload.values, payload.indices, dtypes, spans)
     )
     return Chosen(payload, thresholds, sum(c.bytes for c in chosen), shared)
