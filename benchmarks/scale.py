@@ -9,7 +9,9 @@ one aggregation (the gradient of one step) for
 - sparse all-reduce: ``communication="sparse_allreduce"``;
 - hierarchical: a dense all-reduce inside each node over its fast links, then
   the cheapest compressed mode across the ``P / per-node`` nodes
-  (``inner_axis``), as ``communication="auto"`` would pick it.
+  (``inner_axis``), as ``communication="auto"`` would pick it;
+- sharded: the same, each device of a node compressing and sending its
+  ``1 / per-node`` slice of the node's mean (``inner_shards``).
 
 The compressed modes run in each wire format of ``--wires`` (``values/indices``,
 as :func:`sidco_jax.compress` takes them): ``float32/int32`` by default.
@@ -55,11 +57,13 @@ def step_seconds(
         for mode in MODES
     }
     nodes, local = max(1, devices // per_node), min(devices, per_node)
-    outer_mode = costs.choose(size, capacity, nodes, outer, False, *wire) if nodes > 1 else "dense"
-    row["hierarchical"] = costs.hierarchical_seconds(
-        outer_mode, size, capacity, nodes, local, outer, costs.NODE_LINK, *wire
-    )
-    row["hierarchical_mode"] = outer_mode if nodes > 1 else "-"
+    for name, share in (("hierarchical", 1), ("sharded", local)):
+        cut, slots = -(-size // share), -(-capacity // share)
+        mode = costs.choose(cut, slots, nodes, outer, False, *wire) if nodes > 1 else "dense"
+        row[name] = costs.hierarchical_seconds(
+            mode, size, capacity, nodes, local, outer, costs.NODE_LINK, *wire, sharded=share > 1
+        )
+        row[f"{name}_mode"] = mode if nodes > 1 else "-"
     return row
 
 
@@ -75,6 +79,7 @@ def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link, wire=N
         "hierarchical beats every flat mode": lambda r: (
             r["hierarchical"] < min(r[m] for m in MODES)
         ),
+        "sharded beats every flat mode": lambda r: r["sharded"] < min(r[m] for m in MODES),
     }
     found = dict.fromkeys(checks)
     for power in range(1, 17):
@@ -91,17 +96,17 @@ def tables(rows: list[dict], crossings: list[dict]) -> str:
     """Markdown: modelled milliseconds per step, then the crossover device counts."""
     lines = [
         "| ratio | wire | inter-node Gbit/s | P | dense ring | all_gather | sparse all-reduce "
-        "| hierarchical (outer mode) | best |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| hierarchical (outer mode) | sharded (outer mode) | best |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        times = {k: r[k] for k in (*MODES, "hierarchical")}
+        times = {k: r[k] for k in (*MODES, "hierarchical", "sharded")}
         best = min(times, key=times.get)
         cells = " | ".join(f"{1e3 * r[m]:.1f}" for m in MODES)
         lines.append(
             f"| {r['ratio']} | {r['wire']} | {r['gbits']:g} | {r['devices']} | {cells} | "
             f"{1e3 * r['hierarchical']:.1f} ({r['hierarchical_mode']}) | "
-            f"{LABELS.get(best, best)} |"
+            f"{1e3 * r['sharded']:.1f} ({r['sharded_mode']}) | {LABELS.get(best, best)} |"
         )
     lines += [
         "",

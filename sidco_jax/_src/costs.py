@@ -20,7 +20,8 @@ space)`` is the bytes of a message in the compressor's wire format
 (``values=``, ``indices=``): ``8 x slots`` for float32 values and int32
 indices, so the sparse all-reduce stays below ``3 k x 8`` bytes whatever
 ``P``. Hierarchical aggregation adds a dense all-reduce over the fast inner
-axis and runs the mode over the slow outer one.
+axis and runs the mode over the slow outer one, on the node's whole mean or
+(sharded) on each device's slice of it.
 
 ``communication="auto"`` evaluates this model at trace time, from the static
 sizes and the :class:`Link` a compressor was given, and takes the cheapest
@@ -185,14 +186,21 @@ def hierarchical_seconds(
     inner: Link = NODE_LINK,
     values: str = "float32",
     indices: str = "int32",
+    sharded: bool = False,
 ) -> float:
     """Modelled time of a dense all-reduce over ``local`` devices, then ``mode`` over ``nodes``.
 
     Every device of a node compresses the node's mean and takes part in the
     outer collective with its own link (one per device, as in a GPU server
-    with one network card per GPU).
+    with one network card per GPU). ``sharded`` (``inner_shards``): a
+    reduce-scatter and an all-gather over the node (a ring all-reduce's
+    bytes) instead, and each device compresses and sends its slice of the
+    node's mean: ``ceil(size / local)`` entries, ``ceil(capacity / local)`` slots.
     """
-    outer_seconds = seconds(mode, size, capacity, nodes, outer, False, values, indices)
+    slice_size, slots = size, capacity
+    if sharded:
+        slice_size, slots = -(-size // local), -(-capacity // local)
+    outer_seconds = seconds(mode, slice_size, slots, nodes, outer, False, values, indices)
     return seconds("dense", size, size, local, inner) + outer_seconds
 
 
