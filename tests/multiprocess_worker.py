@@ -86,7 +86,9 @@ def main(
         check_checkpoints(process_id, out)
         jax.distributed.shutdown()
         return
-    params, metrics = train_least_squares(STEPS, hierarchical=bool(hierarchical))
+    params, metrics = train_least_squares(
+        STEPS, hierarchical=bool(hierarchical), sharded=hierarchical == 2
+    )
     if process_id == 0:
         np.savez(out, params=params, **metrics)
     jax.distributed.shutdown()

@@ -182,6 +182,13 @@ def test_the_bundled_text_is_english_prose_shipped_offline():
             "--capture-steps does not go with --checkpoint-dir: a resumed run would miss",
         ),
         (cnn_main, ["--checkpoint-every", "0"], "--checkpoint-every: 0 is below 1, the least"),
+        (cnn_main, ["--nodes", "3"], "--nodes 3 must divide --devices 8"),
+        (cnn_main, ["--nodes", "2", "--capture-steps", "1"], "--capture-steps needs --nodes 1"),
+        (
+            cnn_main,
+            ["--nodes", "2", "--coordinator", "127.0.0.1:1", "--process-id", "2"],
+            "--process-id 2 must be below --nodes 2",
+        ),
         (lm_main, ["--config", "tinyy"], "--config: invalid choice: 'tinyy' (choose from"),
         (lm_main, ["--text-limit", "10"], "--text-limit: 10 is below 1000, the least allowed"),
     ],

@@ -75,14 +75,16 @@ def test_two_processes_of_four_devices_train_like_one_process_of_eight(tmp_path)
     assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
 
 
-def test_hierarchical_over_two_processes_equals_one_process_of_eight(tmp_path):
-    # One node per process: dense over its 4 devices, compressed across the 2 processes.
-    results = launch(tmp_path / "out.npz", 2, 4, -1, 1)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hierarchical_over_two_processes_equals_one_process_of_eight(tmp_path, sharded):
+    # One node per process: dense over its 4 devices (or reduce-scattered over them, each
+    # compressing its slice), compressed across the 2 processes.
+    results = launch(tmp_path / "out.npz", 2, 4, -1, 2 if sharded else 1)
     for code, output, _ in results:
         assert code == 0, output[-3000:]
     with np.load(tmp_path / "out.npz") as archive:
         got = dict(archive)
-    params, metrics = train_least_squares(30, hierarchical=True)  # this process: 2 x 4 devices
+    params, metrics = train_least_squares(30, hierarchical=True, sharded=sharded)  # 2 x 4 here
     # The dense inner mean adds 4 floats in the collective's own order (gloo's ring
     # across processes, XLA's loop in one): last-bit differences, compounded over 30
     # steps. The compressed axis moves values only (all_gather), so it adds none.
@@ -118,3 +120,47 @@ def test_a_dying_process_makes_the_other_fail_with_a_clear_error(tmp_path, dying
     assert code != 0
     assert FATAL in output, output[-3000:]
     assert seconds < 60  # heartbeat_timeout_seconds=10 in the worker
+
+
+def test_the_cnn_example_runs_one_process_per_node_like_one_process(tmp_path):
+    # The recipe of docs/examples.md: 2 processes of 4 CPU devices, one per node, joined by
+    # jax.distributed; each node's devices share its compression (--nodes 2).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    run = [sys.executable, "-m", "examples.cnn.main", "--config", "tiny", "--nodes", "2"]
+    run += ["--compressors", "sidco-e", "--capture-steps", "--steps", "6"]
+    port, procs = free_port(), []
+    for i in range(2):
+        joined = [f"--coordinator=127.0.0.1:{port}", f"--process-id={i}"]
+        with (tmp_path / f"process{i}.log").open("w") as log:  # the child keeps its own copy
+            procs.append(
+                subprocess.Popen(
+                    [*run, *joined, "--workdir", str(tmp_path / f"p{i}")],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=pathlib.Path(__file__).parent.parent,
+                )
+            )
+    for i, proc in enumerate(procs):
+        try:
+            assert proc.wait(timeout=LIMIT) == 0, (tmp_path / f"process{i}.log").read_text()
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail((tmp_path / f"process{i}.log").read_text()[-2000:])
+    assert not (tmp_path / "p1").exists()  # process 0 writes the results
+    one = subprocess.run(
+        [*run, "--workdir", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        check=True,
+        cwd=pathlib.Path(__file__).parent.parent,
+    )
+    assert one.returncode == 0
+    got = json.loads((tmp_path / "p0" / "results.json").read_text())
+    want = json.loads((tmp_path / "one" / "results.json").read_text())
+    (got,), (want,) = got["runs"], want["runs"]
+    # The node's reduce-scatter adds 4 floats in gloo's order or XLA's: last bits.
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    assert got["bytes_per_step"] == want["bytes_per_step"]

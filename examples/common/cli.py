@@ -67,7 +67,26 @@ def _check(config) -> str | None:
             "--capture-steps does not go with --checkpoint-dir: a resumed run would miss the "
             "captures before its checkpoint; pass one of them"
         )
+    if config.devices % config.nodes:
+        return f"--nodes {config.nodes} must divide --devices {config.devices}"
+    if config.nodes > 1 and config.capture_steps:
+        return "--capture-steps needs --nodes 1: a device then holds a slice of the residual"
+    if config.coordinator is not None and config.process_id >= config.nodes:
+        return f"--process-id {config.process_id} must be below --nodes {config.nodes}"
     return None
+
+
+def _join(config) -> None:
+    """Joins the job of ``config.nodes`` processes, one per node, at ``config.coordinator``."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        config.coordinator,
+        num_processes=config.nodes,
+        process_id=config.process_id,
+        coordinator_bind_address=config.coordinator,  # process 0 listens there only
+    )
 
 
 def parse(
@@ -119,10 +138,13 @@ def parse(
             parser.error(message)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        count = f"--xla_force_host_platform_device_count={config.devices}"
+        here = config.devices // config.nodes if config.coordinator else config.devices
+        count = f"--xla_force_host_platform_device_count={here}"
         os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
     import jax  # only now: XLA_FLAGS is read when the backends start
 
+    if config.coordinator is not None:
+        _join(config)
     if config.devices > jax.device_count():
         parser.error(f"--devices {config.devices}: only {jax.device_count()} devices are here")
     workdir = args.workdir or os.path.join("runs", configs.split(".")[1])

@@ -10,6 +10,7 @@ import json
 import pathlib
 import types
 
+import jax
 import numpy as np
 
 from examples.common.training import History, Task
@@ -40,7 +41,8 @@ def train_and_compare(trainer: types.ModuleType, config, workdir) -> list[Histor
     histories = [
         trainer.train_and_evaluate(config, workdir, name, task=task) for name in config.compressors
     ]
-    write(config, task, histories, workdir)
+    if jax.process_index() == 0:  # across processes, one writes what they all trained
+        write(config, task, histories, workdir)
     return histories
 
 

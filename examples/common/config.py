@@ -22,6 +22,18 @@ class Config:
     )
     ratio: float = option(0.01, "target density: the fraction of gradient entries sent")
     devices: int = option(8, "data-parallel devices (forces that many CPU devices)", min=1)
+    nodes: int = option(
+        1,
+        "split the devices into this many nodes: each node averages over its own devices and "
+        "they share its compression (inner_shards); only compressed messages cross the nodes",
+        min=1,
+    )
+    coordinator: str | None = option(
+        None,
+        "HOST:PORT of process 0: run one process per node (--nodes of them, each with its "
+        "--process-id), joined by jax.distributed, CPU collectives over gloo",
+    )
+    process_id: int = option(0, "with --coordinator: this process's node, from 0", min=0)
     steps: int = option(300, "training steps per compressor", min=1)
     batch_per_device: int = option(16, "examples per device per step", min=1)
     learning_rate: float = option(0.05, "SGD learning rate")

@@ -15,11 +15,32 @@ import numpy as np
 import sidco_jax as sidco
 
 AXIS = "data"
+NODE, LOCAL = "node", "local"  # with --nodes: across the nodes, and a node's own devices
 
 
-def mesh(devices: int) -> jax.sharding.Mesh:
-    """A one-axis (:data:`AXIS`) mesh of the first ``devices`` of ``jax.devices()``."""
-    return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+def mesh(devices: int, nodes: int = 1) -> jax.sharding.Mesh:
+    """A mesh of the first ``devices`` of ``jax.devices()``, every axis splitting the batch.
+
+    One axis (:data:`AXIS`), or with ``nodes > 1`` two, :data:`NODE` x
+    :data:`LOCAL`: a node's devices follow each other in ``jax.devices()``, as
+    each process's do across processes (``jax.distributed``, one per node).
+    """
+    if nodes == 1:
+        return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+    shape = (nodes, devices // nodes)
+    return jax.make_mesh(shape, (NODE, LOCAL), devices=jax.devices()[:devices])
+
+
+def compressor_axes(mesh: jax.sharding.Mesh) -> dict:
+    """The compressor's axis options on ``mesh``: the mean over every device of it.
+
+    On a mesh of nodes the devices of a node average densely over their fast
+    links and share the compression, each compressing its slice of the node's
+    mean (``inner_shards``); only the compressed messages cross the nodes.
+    """
+    if mesh.axis_names == (AXIS,):
+        return {"axis_name": AXIS}
+    return {"axis_name": NODE, "inner_axis": LOCAL, "inner_shards": mesh.shape[LOCAL]}
 
 
 def compile_step(step: Callable, *args) -> tuple[Callable, int]:

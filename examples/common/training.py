@@ -110,9 +110,9 @@ class Run:
         self.captured = {}
 
     def batch(self) -> tuple[Any, Any]:
-        """The next batch: on the host, and split over the mesh's :data:`parallel.AXIS`."""
+        """The next batch: on the host, and split over every device of the mesh."""
         host = self.task.sample(self.data, self.global_batch)
-        return host, sidco.parallel.place(host, self.mesh, jax.P(parallel.AXIS))
+        return host, sidco.parallel.place(host, self.mesh, jax.P(self.mesh.axis_names))
 
     def compile(self, train_step: Callable, params, opt_state) -> Callable:
         """``train_step`` compiled once for every step; its HLO says what a step sends.

@@ -66,7 +66,7 @@ def create_train_step(loss, tx: optax.GradientTransformation, opt_state, mesh) -
     optimizer state keeps one error-feedback residual per device, as
     :func:`sidco_jax.parallel.shard_init` made it (:func:`sidco_jax.parallel.state_specs`).
     """
-    axis = parallel.AXIS
+    axis = mesh.axis_names  # the batch is split over every device of the mesh
     state_specs = sidco.parallel.state_specs(opt_state, axis)
 
     def train_step(params, opt_state, batch):  # on each device, with its shard of the batch
@@ -109,10 +109,11 @@ def train_and_evaluate(
       The run's history: loss, density and validation perplexity over the steps.
     """
     task = create_task(config) if task is None else task
-    mesh = parallel.mesh(config.devices)
-    tx = training.create_optimizer(config, compressor, **(options or {}))
+    mesh = parallel.mesh(config.devices, config.nodes)
+    axes = parallel.compressor_axes(mesh)  # with --nodes: compressed across the nodes only
+    tx = training.create_optimizer(config, compressor, **axes, **(options or {}))
     params = sidco.parallel.place(task.init(config.seed), mesh)  # replicated on every device
-    opt_state = sidco.parallel.shard_init(tx, params, mesh, parallel.AXIS)  # a residual per device
+    opt_state = sidco.parallel.shard_init(tx, params, mesh, mesh.axis_names)  # residual per device
     train_step = create_train_step(task.loss, tx, opt_state, mesh)
 
     run = training.Run(config, task, compressor, mesh, workdir)
