@@ -1,0 +1,183 @@
+"""A node's devices sharing its compression, against the replicated hierarchy and the flat modes.
+
+Compiles SIDCo-E's update under ``jax.shard_map`` on forced CPU meshes of
+``("node", "local")`` devices (2 x 4 and 4 x 2) for
+
+- flat: ``communication="sparse"`` or ``"sparse_allreduce"`` over both axes;
+- replicated: ``axis_name="node", inner_axis="local"``: the node's dense mean,
+  then ``"sparse"`` across the nodes, every device compressing the whole mean;
+- sharded: the same with ``inner_shards``: a ``psum_scatter`` over the node,
+  each device compressing its slice, an ``all_gather`` over the node after.
+
+From the compiled HLO it reads the collectives of each axis, the slow one
+(groups of a node's peers across the nodes, or the whole mesh for the flat
+modes) and the fast one (a node's devices), and counts the bytes one device
+receives in each as a ring moves them (:func:`received`); the step's agreed
+figures (a few scalars) are left out. The residual
+per device is the size of one device's state. ``--time`` also times the
+update on each mesh, replicated and sharded interleaved, on the same gradients.
+
+    python -m benchmarks.hierarchy --trees flat gpt2 --ratios 0.01 0.001
+    python -m benchmarks.hierarchy --trees resnet50 --ratios 0.01 --time --rounds 7
+"""
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import os
+import pathlib
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sidco_jax as sidco
+from benchmarks import overhead, trees
+
+FIGURES = 64  # bytes: collectives this small carry the step's agreed figures
+SHAPES = {"flat": lambda: [(2**22,)], **trees.TREES}
+MESHES = ((2, 4), (4, 2))
+BOTH = ("node", "local")
+VARIANTS = ("flat sparse", "flat sparse_allreduce", "replicated", "sharded")
+
+
+def compressor(variant: str, ratio: float, local: int):
+    """SIDCo-E as ``variant`` aggregates, and the axes its residual is split over."""
+    if variant.startswith("flat"):
+        mode = variant.split()[1]
+        return sidco.compress(ratio, axis_name=BOTH, communication=mode, layout="buckets"), BOTH
+    options = {"axis_name": "node", "inner_axis": "local", "communication": "sparse"}
+    if variant == "sharded":
+        return sidco.compress(ratio, inner_shards=local, **options), BOTH
+    return sidco.compress(ratio, layout="buckets", **options), "node"
+
+
+def step_of(tx, mesh, axes, shapes):
+    """The jitted update under ``shard_map``, the state's shapes, the gradients' shapes."""
+    params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    init = functools.partial(sidco.parallel.shard_init, tx, mesh=mesh, axis_name=axes)
+    state = jax.eval_shape(init, params)
+    specs = sidco.parallel.state_specs(state, axes)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(specs, jax.P(BOTH)), out_specs=(jax.P(), specs)
+    )
+    def step(state, grads):
+        return tx.update([g[0] for g in grads], state)
+
+    devices = mesh.devices.size
+    split = jax.NamedSharding(mesh, jax.P(BOTH))
+    grads = [jax.ShapeDtypeStruct((devices, *s), jnp.float32, sharding=split) for s in shapes]
+    return step, state, grads
+
+
+def received(c: sidco.hlo.Collective) -> float:
+    """Bytes one device receives in collective ``c`` over a ring of its group."""
+    g = c.group_size
+    share = {"all-reduce": 2 * (g - 1) / g, "all-gather": g - 1}.get(c.kind, (g - 1) / g)
+    return share * c.operand_bytes
+
+
+def measured_bytes(variant: str, nodes: int, local: int, shapes, ratio: float) -> dict:
+    """Operand bytes per device on each axis, from the HLO, and the residual per device."""
+    mesh = jax.make_mesh((nodes, local), BOTH, devices=jax.devices()[: nodes * local])
+    tx, axes = compressor(variant, ratio, local)
+    step, state, grads = step_of(tx, mesh, axes, shapes)
+    found = sidco.hlo.collectives(step.lower(state, grads).compile())
+    slow, fast = 0, 0
+    for c in found:
+        if c.result_bytes <= FIGURES:
+            continue
+        if c.group_size == local and not variant.startswith("flat"):
+            fast += received(c)
+        else:
+            slow += received(c)
+    copies = nodes * local if axes == BOTH else nodes
+    residual = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.residual))
+    return {
+        "slow_bytes": round(slow),
+        "fast_bytes": round(fast),
+        "residual_bytes": residual // copies,
+    }
+
+
+def bytes_rows(tree_names, ratios) -> list[dict]:
+    out = []
+    for name, ratio, (nodes, local), variant in itertools.product(
+        tree_names, ratios, MESHES, VARIANTS
+    ):
+        shapes = SHAPES[name]()
+        row = {"tree": name, "ratio": ratio, "mesh": f"{nodes}x{local}", "variant": variant}
+        row |= measured_bytes(variant, nodes, local, shapes, ratio)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def time_rows(tree_names, ratios, rounds: int) -> list[dict]:
+    """The update's time, replicated and sharded interleaved, on the same gradients."""
+    out = []
+    for name, ratio, (nodes, local) in itertools.product(tree_names, ratios, MESHES):
+        shapes = SHAPES[name]()
+        mesh = jax.make_mesh((nodes, local), BOTH, devices=jax.devices()[: nodes * local])
+        fns, args = {}, {}
+        for variant in ("replicated", "sharded"):
+            tx, axes = compressor(variant, ratio, local)
+            step, _, grads = step_of(tx, mesh, axes, shapes)
+            params = [jnp.zeros(s, jnp.float32) for s in shapes]
+            state = sidco.parallel.shard_init(tx, params, mesh, axes)
+            fns[variant], args[variant] = step, state
+        one = trees.gradient(shapes)
+        split = jax.NamedSharding(mesh, jax.P(BOTH))
+        grads = [
+            jax.device_put(np.broadcast_to(x, (nodes * local, *x.shape)), split)
+            for x in one.values()
+        ]
+        runs = {v: functools.partial(lambda f, s, g: f(s, g), fns[v], args[v]) for v in fns}
+        times = overhead.measure(runs, (grads,), rounds)
+        row = {"tree": name, "ratio": ratio, "mesh": f"{nodes}x{local}", **times}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def table(found: list[dict]) -> str:
+    lines = [
+        "| tree | ratio | mesh | aggregation | slow axis, bytes | fast axis, bytes | residual |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for r in found:
+        lines.append(
+            f"| {r['tree']} | {r['ratio']} | {r['mesh']} | {r['variant']} | "
+            f"{r['slow_bytes']:,} | {r['fast_bytes']:,} | {r['residual_bytes']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trees", nargs="+", choices=sorted(SHAPES), default=["flat", "gpt2"])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.001])
+    parser.add_argument("--time", action="store_true", help="time the updates instead")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, interleaved")
+    parser.add_argument("--json", type=pathlib.Path, help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.time:
+        found = time_rows(args.trees, args.ratios, args.rounds)
+    else:
+        found = bytes_rows(args.trees, args.ratios)
+        print(table(found))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(found, indent=1))
+    return found
+
+
+if __name__ == "__main__":
+    main()
