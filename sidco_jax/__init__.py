@@ -33,6 +33,7 @@ from sidco_jax._src.control import AdaptationState
 from sidco_jax._src.layout import LAYOUTS
 from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.metrics import metrics
+from sidco_jax._src.outer import OuterState, diloco
 from sidco_jax._src.payload import Payload, capacity, densify, sparsify
 from sidco_jax._src.registry import COMPRESSORS, compressor
 from sidco_jax._src.sidco import SidcoState, compress
@@ -53,6 +54,7 @@ __all__ = [
     "AdaptationState",
     "CompressMetrics",
     "CompressState",
+    "OuterState",
     "Payload",
     "Rule",
     "Selection",
@@ -66,6 +68,7 @@ __all__ = [
     "dense",
     "densify",
     "dgc",
+    "diloco",
     "gaussiank",
     "hlo",
     "metrics",

@@ -11,6 +11,7 @@ write their own (docs/distributed.md).
 from sidco_jax._src.sharding import (
     data_parallel_step,
     is_residual,
+    per_device,
     place,
     shard_init,
     state_shardings,
@@ -20,6 +21,7 @@ from sidco_jax._src.sharding import (
 __all__ = [
     "data_parallel_step",
     "is_residual",
+    "per_device",
     "place",
     "shard_init",
     "state_shardings",

@@ -3,10 +3,12 @@
 Under ``jax.shard_map`` each device keeps its own error-feedback residual, a
 float32 tree shaped like the parameters or flat buckets (``layout="buckets"``),
 while everything else in the optimizer state (momentum, step counts, the
-stage controller, metrics) stays replicated. As global arrays the residuals
-of ``d`` devices are stacked along each leaf's (or bucket's) first axis: a
-leaf of shape ``(m, ...)`` becomes ``(d * m, ...)`` sharded along the axis,
-device ``i`` holding rows ``[i * m, (i + 1) * m)``.
+stage controller, metrics) stays replicated, but the inner optimizer's state
+of :func:`sidco_jax.diloco`, which follows each device's own parameters. As
+global arrays the residuals of ``d`` devices are stacked along each leaf's
+(or bucket's) first axis: a leaf of shape ``(m, ...)`` becomes
+``(d * m, ...)`` sharded along the axis, device ``i`` holding rows
+``[i * m, (i + 1) * m)``.
 """
 
 import math
@@ -22,10 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 from sidco_jax._src.accumulate import AccumulateState
 from sidco_jax._src.base import AxisName, CompressState
+from sidco_jax._src.outer import OuterState
 
 
 def _is_state(node) -> bool:
-    return isinstance(node, CompressState | AccumulateState)
+    return isinstance(node, CompressState | AccumulateState | OuterState)
 
 
 _REPLICATED, _RESIDUAL, _ACCUMULATOR = "replicated", "residual", "accumulator"
@@ -43,6 +46,14 @@ def _kinds(opt_state: optax.OptState) -> Any:
                 kind(node.mini_step),
                 jax.tree.map(lambda _: _ACCUMULATOR, node.accumulator),
                 jax.tree.map(kind, node.inner, is_leaf=_is_state),
+            )
+        if isinstance(node, OuterState):
+            # The inner state follows each device's parameters; a scalar (a step count) is
+            # the same everywhere and could not be split.
+            kinds = jax.tree.map(lambda _: _REPLICATED, node)
+            return kinds._replace(
+                inner=jax.tree.map(lambda x: _RESIDUAL if jnp.ndim(x) else _REPLICATED, node.inner),
+                exchange=jax.tree.map(kind, node.exchange, is_leaf=_is_state),
             )
         return jax.tree.map(lambda _: _REPLICATED, node)
 
@@ -73,8 +84,10 @@ def state_specs(
 
     Every leaf of the residual of every :class:`~sidco_jax.CompressState` is
     per device (``P(axis_name)``), and so is every leaf of the accumulator of
-    every :class:`~sidco_jax.AccumulateState` (``P(accumulator_axis)``);
-    every other leaf is replicated (``P()``). Use the result as
+    every :class:`~sidco_jax.AccumulateState` (``P(accumulator_axis)``) and
+    every leaf of at least one axis of the inner state of an
+    :class:`~sidco_jax.OuterState` (``P(axis_name)``: it follows each
+    device's parameters); every other leaf is replicated (``P()``). Use the result as
     ``in_specs``/``out_specs`` of ``jax.shard_map`` for the state.
 
     Args:
@@ -236,6 +249,34 @@ def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
     return jax.tree.map(put, tree)
 
 
+def per_device(params: Any, mesh: Mesh, axis_name: AxisName) -> Any:
+    """One copy of ``params`` per device along ``axis_name``: a new leading axis split over it.
+
+    The layout of parameters that differ across devices, as
+    :func:`sidco_jax.diloco` trains them between its synchronizations: a leaf
+    ``x`` becomes ``(devices, *x.shape)``, device ``i`` holding row ``i``.
+    Like :func:`place`, it works unchanged across processes.
+
+    Args:
+      params: the parameters (host or fully addressable arrays).
+      mesh: the device mesh.
+      axis_name: the axis (or tuple of axes) the copies are split over.
+
+    Returns:
+      The global arrays, ``NamedSharding(mesh, P(axis_name))``.
+
+    Examples:
+      >>> import jax, numpy as np, sidco_jax as sidco
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> copies = sidco.parallel.per_device({"w": np.zeros(3)}, mesh, "data")
+      >>> copies["w"].shape
+      (1, 3)
+    """
+    devices = _devices_along(mesh, axis_name)
+    stacked = jax.tree.map(lambda x: np.broadcast_to(x, (devices, *np.shape(x))), params)
+    return place(stacked, mesh, P(axis_name))
+
+
 def data_parallel_step(
     loss: Callable[..., jax.Array],
     tx: optax.GradientTransformation,
@@ -245,6 +286,7 @@ def data_parallel_step(
     *,
     state_axis: AxisName | None = None,
     donate_state: bool = False,
+    local_params: bool = False,
 ) -> Callable:
     """The jitted data-parallel training step of ``loss`` under ``jax.shard_map``.
 
@@ -274,6 +316,10 @@ def data_parallel_step(
         ``shard_init(tx, params, mesh, state_axis, accumulator_axis=axis_name)``.
       donate_state: donate the optimizer state's buffers to the step (saves
         memory; the state passed in must not be used again).
+      local_params: the parameters differ across devices, one copy per
+        device along a leading axis (:func:`per_device`), as
+        :func:`sidco_jax.diloco` trains them; each device's gradient is taken
+        at its own copy.
 
     Returns:
       ``step(params, opt_state, batch) -> (params, opt_state, loss)``, with
@@ -306,21 +352,29 @@ def data_parallel_step(
     specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name)
 
     def step(params, opt_state, batch):
-        varying = jax.lax.pcast(params, axis_name, to="varying")
+        own = jax.tree.map(lambda p: p[0], params) if local_params else params
+        # Replicated parameters would make the backward pass psum the gradient densely.
+        varying = own if local_params else jax.lax.pcast(own, axis_name, to="varying")
         value, grads = jax.value_and_grad(loss)(varying, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, axis_name)
+        updates, opt_state = tx.update(grads, opt_state, own)
+        own = optax.apply_updates(own, updates)
+        params = jax.tree.map(lambda p: p[None], own) if local_params else own
+        return params, opt_state, jax.lax.pmean(value, axis_name)
 
+    param_spec = P(axis_name) if local_params else P()
     sharded = jax.shard_map(
         step,
         mesh=mesh,
-        in_specs=(P(), specs, P(axis_name)),
-        out_specs=(P(), specs, P()),
+        in_specs=(param_spec, specs, P(axis_name)),
+        out_specs=(param_spec, specs, P()),
     )
     axes = {_RESIDUAL: state_axis, _ACCUMULATOR: axis_name}
 
     def checked(params, opt_state, batch):
-        _check_state(opt_state, jax.eval_shape(tx.init, params), mesh, axes)
+        one = params
+        if local_params:
+            one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), params)
+        _check_state(opt_state, jax.eval_shape(tx.init, one), mesh, axes)
         return sharded(params, opt_state, _split(batch, mesh, axis_name))
 
     return jax.jit(checked, donate_argnums=(1,) if donate_state else ())
