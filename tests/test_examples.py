@@ -34,6 +34,23 @@ def test_optimizer_chains_the_compressor_before_sgd():
 
 
 @pytest.mark.slow
+def test_outer_steps_every_step_with_plain_sgd_train_as_the_compressed_step(tmp_path):
+    # DiLoCo with H = 1, SGD inside and SGD(1.0) outside is compressed data-parallel SGD.
+    flags = ["--config", "tiny", "--capture-steps", "--momentum", "0", "--steps", "6"]
+    (plain,) = cnn_main.main([*flags, "--compressors", "sidco-e", "--workdir", str(tmp_path)])
+    outer = ["--outer-every", "1", "--outer-learning-rate", "1", "--outer-momentum", "0"]
+    (diloco,) = cnn_main.main(
+        [*flags, *outer, "--compressors", "sidco-e", "--workdir", str(tmp_path)]
+    )
+    np.testing.assert_allclose(diloco.loss, plain.loss, rtol=1e-5)
+    assert diloco.bytes_per_step == plain.bytes_per_step
+    (rare,) = cnn_main.main(
+        [*flags, "--outer-every", "3", "--compressors", "sidco-e", "--workdir", str(tmp_path)]
+    )
+    assert rare.bytes_per_step == plain.bytes_per_step // 3  # an exchange every 3 steps
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["cnn", "lm"])
 def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(example):
     train = importlib.import_module(f"examples.{example}.train")
@@ -184,6 +201,8 @@ def test_the_bundled_text_is_english_prose_shipped_offline():
         (cnn_main, ["--checkpoint-every", "0"], "--checkpoint-every: 0 is below 1, the least"),
         (cnn_main, ["--nodes", "3"], "--nodes 3 must divide --devices 8"),
         (cnn_main, ["--nodes", "2", "--capture-steps", "1"], "--capture-steps needs --nodes 1"),
+        (cnn_main, ["--outer-every", "2", "--capture-steps", "1"], "and no --outer-every"),
+        (cnn_main, ["--outer-every", "-1"], "--outer-every: -1 is below 0, the least allowed"),
         (
             cnn_main,
             ["--nodes", "2", "--coordinator", "127.0.0.1:1", "--process-id", "2"],

@@ -69,8 +69,11 @@ def _check(config) -> str | None:
         )
     if config.devices % config.nodes:
         return f"--nodes {config.nodes} must divide --devices {config.devices}"
-    if config.nodes > 1 and config.capture_steps:
-        return "--capture-steps needs --nodes 1: a device then holds a slice of the residual"
+    if config.capture_steps and (config.nodes > 1 or config.outer_every):
+        return (
+            "--capture-steps needs --nodes 1 and no --outer-every: a device's residual is then "
+            "a slice, or its pseudo-gradient's"
+        )
     if config.coordinator is not None and config.process_id >= config.nodes:
         return f"--process-id {config.process_id} must be below --nodes {config.nodes}"
     return None

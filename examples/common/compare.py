@@ -22,6 +22,7 @@ LEGEND = """\
 - final loss: mean training loss over the last 10% of the steps
 - sent/target (median): entries sent over the target ratio, median over the steps (1.00: on target)
 - bytes/step/device: what one device sends per step, read from the compiled step's collectives
+  (with --outer-every N, an exchange's bytes over N)
 - / dense: those bytes over dense's
 - s/step: wall-clock seconds per step, evaluation and checkpoints included, compilation excluded"""
 

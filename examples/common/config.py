@@ -38,6 +38,17 @@ class Config:
     batch_per_device: int = option(16, "examples per device per step", min=1)
     learning_rate: float = option(0.05, "SGD learning rate")
     momentum: float = option(0.9, "SGD momentum")
+    outer_every: int = option(
+        0,
+        "outer steps every N steps (DiLoCo): each device trains its own parameters and the "
+        "compressor averages their pseudo-gradients every N steps; 0 averages the gradient "
+        "every step",
+        min=0,
+    )
+    outer_learning_rate: float = option(0.7, "with --outer-every: the outer SGD learning rate")
+    outer_momentum: float = option(
+        0.9, "with --outer-every: the outer SGD's Nesterov momentum (0: none)"
+    )
     eval_every: int = option(50, "evaluate every this many steps (and at the last)", min=1)
     seed: int = option(0, "seed of the parameters and of the batches")
     capture_steps: tuple[int, ...] = option(

@@ -65,17 +65,25 @@ def create_optimizer(
 ) -> optax.GradientTransformation:
     """The compressor, averaging over the devices of ``axis_name``, then SGD with momentum.
 
+    With ``config.outer_every`` the SGD steps each device's own parameters and
+    the compressor averages the pseudo-gradients every ``outer_every`` steps
+    (:func:`sidco_jax.diloco`), an outer SGD with Nesterov momentum stepping
+    the shared parameters.
+
     Args:
-      config: the options (ratio, learning rate, momentum).
+      config: the options (ratio, learning rates, momenta, ``outer_every``).
       compressor: a name of ``sidco_jax.COMPRESSORS``.
       axis_name: the mesh axis the compressor averages over; None gives the
         same optimizer on one device, with no communication.
       **options: keywords of :func:`sidco_jax.compressor` (``warmup_steps=50``, ...).
     """
-    return optax.chain(
-        sidco.compressor(compressor, config.ratio, axis_name=axis_name, **options),
-        optax.sgd(config.learning_rate, momentum=config.momentum),
-    )
+    compress = sidco.compressor(compressor, config.ratio, axis_name=axis_name, **options)
+    sgd = optax.sgd(config.learning_rate, momentum=config.momentum)
+    if not config.outer_every:
+        return optax.chain(compress, sgd)
+    momentum = config.outer_momentum or None
+    outer = optax.sgd(config.outer_learning_rate, momentum=momentum, nesterov=bool(momentum))
+    return sidco.diloco(sgd, outer, config.outer_every, compress)
 
 
 class Run:
@@ -121,7 +129,7 @@ class Run:
         run so far, so it comes before :meth:`resume`.
         """
         compiled, sent = parallel.compile_step(train_step, params, opt_state, self.batch()[1])
-        self.history.bytes_per_step = sent
+        self.history.bytes_per_step = sent // max(self.config.outer_every, 1)  # an exchange's share
         self.history.parameters = sum(int(np.size(x)) for x in jax.tree.leaves(params))
         return compiled
 
@@ -164,7 +172,7 @@ class Run:
         if t not in self.config.capture_steps:
             return
         local = jax.tree.map(lambda x: x[: self.config.batch_per_device], host)
-        grad = parallel.flat_gradient(self.task.loss, _host(params), local)
+        grad = parallel.flat_gradient(self.task.loss, self._host(params), local)
         residual = parallel.first_residual(opt_state)
         self.captured[f"grad_step{t}"] = grad
         self.captured[f"u_step{t}"] = grad if residual is None else grad + residual
@@ -183,7 +191,7 @@ class Run:
         history.achieved.append(density / config.ratio if history.compressor != "dense" else 1.0)
         if t % config.eval_every == 0 or last:
             history.eval_steps.append(t)
-            history.evals.append(float(self.task.evaluate(_host(params))))
+            history.evals.append(float(self.task.evaluate(self._host(params))))
         if self.folder and (t % config.checkpoint_every == 0 or last):
             checkpoints.save(self.folder, t, params, opt_state, history, self._elapsed())
         if t % 10 == 0 or last:
@@ -206,9 +214,11 @@ class Run:
         """Training seconds so far, those before a resumed checkpoint included."""
         return self.seconds + time.perf_counter() - self.start
 
-
-def _host(params) -> Any:
-    return jax.tree.map(parallel.replicated_value, params)
+    def _host(self, params) -> Any:
+        """The parameters on the host; with outer steps device 0's, the anchor after an exchange."""
+        if self.config.outer_every:
+            return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], params)
+        return jax.tree.map(parallel.replicated_value, params)
 
 
 def example(job: str) -> tuple[Task, Config]:

@@ -115,6 +115,11 @@ def train_and_evaluate(
     params = sidco.parallel.place(task.init(config.seed), mesh)  # replicated on every device
     opt_state = sidco.parallel.shard_init(tx, params, mesh, mesh.axis_names)  # residual per device
     train_step = create_train_step(task.loss, tx, opt_state, mesh)
+    if config.outer_every:  # outer steps: each device trains its own copy between exchanges
+        params = sidco.parallel.per_device(task.init(config.seed), mesh, mesh.axis_names)
+        train_step = sidco.parallel.data_parallel_step(
+            task.loss, tx, opt_state, mesh, mesh.axis_names, local_params=True, donate_state=True
+        )
 
     run = training.Run(config, task, compressor, mesh, workdir)
     train_step = run.compile(train_step, params, opt_state)  # bytes sent per step, from its HLO
