@@ -262,3 +262,23 @@ def test_the_inner_state_is_split_and_the_step_writes_it_for_you(rng):
     for grads in stream:
         local, state, _ = step(local, state, grads)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, local), want[-1])
+
+
+def test_the_outer_benchmark_reads_its_labels():
+    from benchmarks import outer
+
+    assert outer.parse("sidco-e:values=int8,indices=chunked@32") == (
+        "sidco-e:values=int8,indices=chunked",
+        32,
+    )
+    assert outer.parse("dense") == ("dense", 0)
+
+
+@pytest.mark.slow
+def test_the_outer_benchmark_trains_each_label_on_the_same_samples(capsys):
+    from benchmarks import outer
+
+    rows = outer.main(["--trainer", "cnn", "--steps", "4", "sidco-e", "sidco-e@2"])
+    every, outer_steps = rows
+    assert every["bytes_per_step"] == 2 * outer_steps["bytes_per_step"]  # an exchange in 2 steps
+    assert "| sidco-e@2 |" in capsys.readouterr().out
