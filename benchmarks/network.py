@@ -16,7 +16,14 @@ of the step), the bytes each process put on the wire per step (the veth's own
 counters) and in the compiled collectives (HLO), and speed-ups over dense,
 top-k and DGC. It fits ``step = a + b / bandwidth`` to the median steps across the
 bandwidths to give the crossover below which each compressor beats dense, and
-can time dense and SIDCo to a target loss.
+can time runs to a target loss: ``--target-compressors`` at each of
+``--target-bandwidth``, ``--target-rounds`` rounds in a rotated order, every
+run training ``--target-steps`` steps on the same batches (the same samples).
+A label ``name@H`` there trains with outer steps every ``H`` steps
+(``sidco.diloco``: SGD with the job's momentum inside, DiLoCo's Nesterov
+outside), exchanging the pseudo-gradients through compressor ``name``. Each
+run reports the seconds until its smoothed training loss first reaches the
+highest final one among the job's runs, and its final validation figure.
 
 How it is timed, so that machine noise (shared cores) hits every compressor
 alike rather than deciding the result:
@@ -74,6 +81,7 @@ PARTS = ("step", "compute", "compression", "communication")
 
 
 HIERARCHICAL = "/hier"  # a run label's suffix: dense inside each process, compressed across
+OUTER = "@"  # "sidco-e@32": outer steps every 32 steps, pseudo-gradients through sidco-e
 
 
 def compressor(label: str, ratio: float, axis_name: str | None):
@@ -129,21 +137,28 @@ def worker(spec: dict) -> None:
     task, config = example(spec["job"])
     counter = pathlib.Path(f"/sys/class/net/{spec['device']}/statistics/tx_bytes")
     out = _measure(task, config, spec, counter)
+    targets = spec["target_compressors"]
     out["traces"] = [
-        _train(task, config, target, spec["target_ratio"], spec["target_steps"])
-        for target in spec["target_compressors"]
+        _train(task, config, targets[i], spec["target_ratio"], spec["target_steps"]) | {"round": r}
+        for r, order in enumerate(schedule(len(targets), spec["target_rounds"]))
+        for i in order
     ]
     pathlib.Path(spec["out"]).write_text(json.dumps(out))
     jax.distributed.shutdown()
 
 
 def _optimizer(name: str, ratio: float, config, axis_name):
+    """SGD with the job's momentum after the compressor, or with outer steps for ``name@H``."""
     import optax
 
-    return optax.chain(
-        compressor(name, ratio, axis_name),
-        optax.sgd(config.learning_rate, momentum=config.momentum),
-    )
+    import sidco_jax as sidco
+
+    name, _, every = name.partition(OUTER)
+    sgd = optax.sgd(config.learning_rate, momentum=config.momentum)
+    if not every:
+        return optax.chain(compressor(name, ratio, axis_name), sgd)
+    outer = optax.sgd(config.outer_learning_rate, momentum=config.outer_momentum, nesterov=True)
+    return sidco.diloco(sgd, outer, int(every), compressor(name, ratio, axis_name))
 
 
 def _setup(task, config, name: str, ratio: float, batches: int):
@@ -171,8 +186,18 @@ def _setup(task, config, name: str, ratio: float, batches: int):
     placed = [sidco.parallel.place(b, mesh, jax.P(data_axes)) for b in host]
     tx = _optimizer(name, ratio, config, parallel.AXIS)
     opt_state = sidco.parallel.shard_init(tx, params, mesh, state_axis)
+    local = OUTER in name  # outer steps: each device trains its own copy
+    if local:
+        params = sidco.parallel.per_device(task.init(config.seed), mesh, data_axes)
     step = sidco.parallel.data_parallel_step(
-        task.loss, tx, opt_state, mesh, data_axes, state_axis=state_axis, donate_state=True
+        task.loss,
+        tx,
+        opt_state,
+        mesh,
+        data_axes,
+        state_axis=state_axis,
+        donate_state=True,
+        local_params=local,
     )
     step, sent = parallel.compile_step(step, params, opt_state, placed[0])
     trainer = types.SimpleNamespace(step=step, opt_state=opt_state, bytes_per_step=sent)
@@ -311,6 +336,7 @@ def _measure(task, config, spec: dict, counter: pathlib.Path) -> dict:
 def _train(task, config, name: str, ratio: float, steps: int) -> dict:
     """Loss against wall-clock time over ``steps`` steps (time to a target loss)."""
     import jax
+    import numpy as np
 
     trainer, params, batches, _ = _setup(task, config, name, ratio, steps)
     opt_state = trainer.opt_state
@@ -319,7 +345,17 @@ def _train(task, config, name: str, ratio: float, steps: int) -> dict:
         params, opt_state, loss = trainer.step(params, opt_state, batch)
         losses.append(float(jax.block_until_ready(loss).addressable_data(0)))
         seconds.append(time.perf_counter() - start)
-    return {"compressor": name, "ratio": ratio, "seconds": seconds, "loss": losses}
+    # Device 0's parameters: with outer steps, the anchor after the last exchange.
+    mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
+    if OUTER in name:
+        mine = jax.tree.map(lambda x: x[0], mine)
+    return {
+        "compressor": name,
+        "ratio": ratio,
+        "seconds": seconds,
+        "loss": losses,
+        "final_eval": float(task.evaluate(mine)),
+    }
 
 
 # ----------------------------------------------------------------------------- parent
@@ -487,7 +523,7 @@ def crossovers(rows: list[dict]) -> list[dict]:
 
 def time_to_target(traces: list[dict], window: int = 10) -> list[dict]:
     """Seconds and steps until the running-mean loss first reaches the highest final running
-    mean among the traces of a job (a target every run reaches)."""
+    mean among the traces of a job (a target every run reaches), one row per trace."""
     import numpy as np
 
     def smooth(loss):
@@ -502,7 +538,45 @@ def time_to_target(traces: list[dict], window: int = 10) -> list[dict]:
             smoothed = smooth(t["loss"])
             hit = int(np.argmax(smoothed <= target)) + len(t["loss"]) - len(smoothed)
             reached = {"target_loss": float(target), "steps": hit + 1, "seconds": t["seconds"][hit]}
-            out.append({k: t[k] for k in ("job", "bandwidth", "compressor", "ratio")} | reached)
+            kept = ("job", "bandwidth", "compressor", "ratio", "round", "final_eval")
+            out.append({k: t.get(k) for k in kept} | reached)
+    return out
+
+
+def target_summary(targets: list[dict], base: str = "sidco-e") -> list[dict]:
+    """Per (job, bandwidth, run): median seconds to the target over rounds, with the range,
+    and the speed-up over ``base`` (per round, that round's ``base`` over the run's seconds)."""
+    import numpy as np
+
+    out = []
+    for key in dict.fromkeys((t["job"], t["bandwidth"], t["compressor"]) for t in targets):
+        mine = [t for t in targets if (t["job"], t["bandwidth"], t["compressor"]) == key]
+        same = {
+            (t["job"], t["bandwidth"], t["round"]): t for t in targets if t["compressor"] == base
+        }
+        ratios = [
+            same[(t["job"], t["bandwidth"], t["round"])]["seconds"] / t["seconds"]
+            for t in mine
+            if (t["job"], t["bandwidth"], t["round"]) in same
+        ]
+        seconds = [t["seconds"] for t in mine]
+        out.append(
+            dict(zip(("job", "bandwidth", "compressor"), key, strict=True))
+            | {
+                "ratio": mine[0]["ratio"],
+                "target_loss": mine[0]["target_loss"],
+                "steps": int(np.median([t["steps"] for t in mine])),
+                "seconds": float(np.median(seconds)),
+                "low": min(seconds),
+                "high": max(seconds),
+                "final_eval": float(np.median([t["final_eval"] for t in mine])),
+                "vs_base": (
+                    {"median": float(np.median(ratios)), "low": min(ratios), "high": max(ratios)}
+                    if ratios
+                    else None
+                ),
+            }
+        )
     return out
 
 
@@ -567,14 +641,17 @@ def tables(rows: list[dict], fits: list[dict], targets: list[dict]) -> str:
         ]
     if targets:
         lines += [
-            "\nTime to a target loss\n",
-            "| job | bandwidth | compressor | ratio | target loss | steps | seconds |",
-            "|---|---|---|---:|---:|---:|---:|",
+            "\nTime to a target loss: median over rounds (lowest-highest round); speed-up over"
+            " sidco-e every step, per round; the final validation figure after the same samples\n",
+            "| job | bandwidth | run | ratio | target loss | steps | seconds | vs sidco-e |"
+            " final validation |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         lines += [
             f"| {t['job']} | {t['bandwidth']} | {t['compressor']} | {t['ratio']:g} | "
-            f"{t['target_loss']:.3f} | {t['steps']} | {t['seconds']:.1f} |"
-            for t in targets
+            f"{t['target_loss']:.3f} | {t['steps']} | {t['seconds']:.1f} ({t['low']:.1f}-"
+            f"{t['high']:.1f}) | {_times(t['vs_base'])} | {t['final_eval']:.4g} |"
+            for t in target_summary(targets)
         ]
     return "\n".join(lines)
 
@@ -615,14 +692,15 @@ def plots(rows: list[dict], traces: list[dict], folder: pathlib.Path) -> None:
         figure.tight_layout()
         figure.savefig(folder / f"network_{job.replace(':', '_')}.png", dpi=100)
         plt.close(figure)
-    if traces:
+    for bandwidth in dict.fromkeys(t["bandwidth"] for t in traces):  # the first round's
         figure, axis = plt.subplots(figsize=(5, 4))
         for t in traces:
-            axis.plot(t["seconds"], t["loss"], label=f"{t['job']} {t['compressor']}")
-        axis.set(xlabel="seconds", ylabel="training loss", title=f"at {traces[0]['bandwidth']}")
+            if t["bandwidth"] == bandwidth and t.get("round", 0) == 0:
+                axis.plot(t["seconds"], t["loss"], label=f"{t['job']} {t['compressor']}")
+        axis.set(xlabel="seconds", ylabel="training loss", title=f"at {bandwidth}")
         axis.legend(fontsize=7)
         figure.tight_layout()
-        figure.savefig(folder / "network_time_to_loss.png", dpi=100)
+        figure.savefig(folder / f"network_time_to_loss_{bandwidth}.png", dpi=100)
         plt.close(figure)
 
 
@@ -686,13 +764,22 @@ def main(argv=None) -> int:
         help="timed steps per compressor per round (and as many local-only timings)",
     )
     parser.add_argument(
-        "--target-bandwidth", default="1gbit", help="bandwidth of the time-to-loss runs"
+        "--target-bandwidth",
+        nargs="+",
+        default=["1gbit"],
+        help="bandwidths of the time-to-loss runs (each among --bandwidths)",
     )
     parser.add_argument(
         "--target-compressors",
         nargs="*",
         default=["dense", "sidco-e"],
-        help="compressors of the time-to-loss runs",
+        help="compressors of the time-to-loss runs; name@H: outer steps every H steps",
+    )
+    parser.add_argument(
+        "--target-rounds",
+        type=_at_least_one,
+        default=1,
+        help="rounds of the time-to-loss runs, each in a rotated order",
     )
     parser.add_argument(
         "--target-ratio", type=float, default=0.01, help="ratio of the time-to-loss runs"
@@ -712,11 +799,14 @@ def main(argv=None) -> int:
     if args.worker:
         worker(json.loads(args.worker))
         return 0
-    for rate in [*args.bandwidths, args.target_bandwidth]:
+    for rate in [*args.bandwidths, *args.target_bandwidth]:
         bits_per_second(rate)  # a bad rate fails here, before anything is created
     from benchmarks.overhead import LABELS, parse_label
 
     for label in {*args.compressors, *args.hierarchical, *args.target_compressors}:
+        label, _, every = label.partition(OUTER)
+        if every and not (every.isdigit() and int(every) >= 1):
+            parser.error(f"{label}{OUTER}{every}: H must be a whole number of steps, at least 1")
         if parse_label(label)[0] not in LABELS:  # and a bad name here
             parser.error(f"unknown compressor {label!r}; allowed: {', '.join(LABELS)}")
     reason = unavailable()
@@ -734,7 +824,7 @@ def main(argv=None) -> int:
         for bandwidth in args.bandwidths:
             link.shape(bandwidth, args.delay_ms)
             for job in args.jobs:
-                targets = bandwidth == args.target_bandwidth and args.target_steps > 0
+                targets = bandwidth in args.target_bandwidth and args.target_steps > 0
                 spec = {
                     "job": job,
                     "runs": runs,
@@ -746,6 +836,7 @@ def main(argv=None) -> int:
                     "target_compressors": args.target_compressors if targets else [],
                     "target_ratio": args.target_ratio,
                     "target_steps": args.target_steps,
+                    "target_rounds": args.target_rounds,
                 }
                 print(f"{bandwidth} {job} ...", flush=True)
                 results = run_job(link, spec, args.timeout, pathlib.Path(scratch))

@@ -123,6 +123,53 @@ def test_unknown_compressors_are_refused_before_anything_is_created(capsys):
     assert ", sidco-e paper," in err
 
 
+def test_outer_step_runs_need_a_whole_number_of_steps(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        network.main(["--target-compressors", "sidco-e@0"])
+    assert exit_.value.code == 2
+    assert "sidco-e@0: H must be a whole number of steps, at least 1" in capsys.readouterr().err
+
+
+def test_time_to_target_is_per_round_and_summarized_against_sidco_every_step():
+    def trace(name, bandwidth, r, seconds_per_step, losses):
+        seconds = [seconds_per_step * (i + 1) for i in range(len(losses))]
+        return {
+            "job": "j",
+            "bandwidth": bandwidth,
+            "compressor": name,
+            "ratio": 0.01,
+            "round": r,
+            "seconds": seconds,
+            "loss": losses,
+            "final_eval": 5.0 + r,
+        }
+
+    slow = [4.0, 3.0, 2.0, 2.0]  # reaches 2.0 (the highest final loss) at its step 3
+    fast = [4.0, 2.0, 1.0, 1.0]  # at its step 2
+    traces = [
+        trace(name, bw, r, per_step, losses)
+        for bw in ("50mbit", "1gbit")
+        for r in (0, 1)
+        for name, per_step, losses in (
+            ("sidco-e", 1.0 + r, slow),
+            ("sidco-e@32", 0.5, fast),
+        )
+    ]
+    rows = network.time_to_target(traces, window=1)
+    assert {r["target_loss"] for r in rows} == {2.0}
+    assert [r["steps"] for r in rows[:2]] == [3, 2]
+    summary = {(t["bandwidth"], t["compressor"]): t for t in network.target_summary(rows)}
+    outer = summary[("50mbit", "sidco-e@32")]
+    assert outer["seconds"] == 1.0 and (outer["low"], outer["high"]) == (1.0, 1.0)
+    # Round 0: sidco-e took 3 s, round 1: 6 s; the outer run 1 s in both.
+    assert outer["vs_base"] == {"median": 4.5, "low": 3.0, "high": 6.0}
+    assert summary[("1gbit", "sidco-e")]["vs_base"]["median"] == 1.0
+    assert outer["final_eval"] == 5.5
+    assert "| j | 50mbit | sidco-e@32 | 0.01 | 2.000 | 2 | 1.0 (1.0-1.0) | 4.50x (3.00-6.00) |" in (
+        network.tables([], [], rows)
+    )
+
+
 def test_runs_may_name_an_adaptation():
     # "sidco-e" fills the payload (the default); "sidco-e paper" runs the paper's rule.
     g = np.random.default_rng(0).standard_t(3, size=10_000).astype(np.float32)
@@ -263,6 +310,8 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense sidco-e --ratios 0.05"
     command = [*BENCHMARK, *options.split(), "--rounds", str(ROUNDS), "--steps", str(STEPS)]
     command += ["--json", str(out), "--timeout", str(LIMIT - 30)]
+    targets = "--target-bandwidth 100mbit --target-compressors sidco-e sidco-e@2"
+    command += [*targets.split(), "--target-rounds", "2", "--target-steps", "4"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -304,6 +353,16 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     line = next(x for x in done.stdout.splitlines() if x.startswith("| 100mbit | 0.05 | sidco-e |"))
     assert re.search(rf"\| {SPEEDUP} \| - \| - \|$", line), line  # vs dense; no top-k, DGC
     assert f"{ROUNDS} rounds x {STEPS} steps per compressor" in done.stdout
+    # The time-to-loss runs, outer steps among them, each trained in each of 2 rounds.
+    reached = record["time_to_target"]
+    assert sorted((t["compressor"], t["round"]) for t in reached) == [
+        ("sidco-e", 0),
+        ("sidco-e", 1),
+        ("sidco-e@2", 0),
+        ("sidco-e@2", 1),
+    ]
+    assert all(1 <= t["steps"] <= 4 and 0 < t["final_eval"] <= 1 for t in reached)
+    assert "| cnn:tiny | 100mbit | sidco-e@2 | 0.01 |" in done.stdout
     assert _ours() == before
 
 
