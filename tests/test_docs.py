@@ -27,6 +27,13 @@ def test_multi_device_page_runs(capsys):
     assert (restored["params"]["w"] == params["w"]).all()
 
 
+@pytest.mark.slow
+def test_the_outer_steps_page_runs(capsys):
+    (block,) = re.findall(r"```python\n(.*?)```", (DOCS / "outer.md").read_text(), flags=re.S)
+    exec(block, {})
+    assert capsys.readouterr().out.split() == ["16", "True"]  # 16 steps, the loss went down
+
+
 def test_the_custom_rule_example_is_a_working_compressor(rng):
     import jax
     import numpy as np
