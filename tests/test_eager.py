@@ -54,6 +54,7 @@ def test_an_eager_loop_does_not_grow_the_process(loop):
     assert _mappings() - before < 50, (before, _mappings())
 
 
+@pytest.mark.slow  # the long form of the test above, whose first case runs in the quick tier
 def test_ten_thousand_eager_steps_at_flat_memory():
     tx = LOOPS["compress"]()
     state = tx.init(PARAMS)
