@@ -10,7 +10,6 @@ padded with zeros to a multiple of ``L`` entries; the padding is never part
 of the update, and its residual stays zero.
 """
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -114,8 +113,3 @@ def spans(parts, sizes: Sequence[int], inner_axis: AxisName, shards: int) -> lis
             start, leaf = start + sizes[leaf], leaf + 1
         offset += m
     return out
-
-
-def entries(residual: Slices) -> int:
-    """Entries of one device's slices."""
-    return sum(math.prod(x.shape) for x in residual.slices)
