@@ -36,5 +36,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import chex  # after JAX_PLATFORMS: chex imports jax
+import pytest
 
 chex.set_n_cpu_devices(8)  # only sets XLA_FLAGS: no backend has started yet
+
+
+@pytest.fixture(autouse=True)
+def _xla_flags_kept():
+    """Fails a test that changes ``XLA_FLAGS``: the processes later tests start inherit it,
+    and would run other code generation than the suite's (their last bits differ)."""
+    flags = os.environ["XLA_FLAGS"]
+    yield
+    assert os.environ["XLA_FLAGS"] == flags, f"XLA_FLAGS changed: {os.environ['XLA_FLAGS']!r}"

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
 import pathlib
 import tempfile
 
@@ -31,10 +30,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
 
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import numpy as np
 
-    from examples.common import training
+    from examples.common import cli, training
+
+    cli.force_cpu_devices(8)  # before JAX starts its backends
 
     task, config = training.example(f"{args.trainer}:default")
     config = dataclasses.replace(

@@ -19,6 +19,19 @@ from collections.abc import Callable
 import sidco_jax as sidco
 
 
+def force_cpu_devices(count: int) -> None:
+    """Asks XLA for ``count`` CPU devices, unless ``XLA_FLAGS`` already names a count.
+
+    The flags already set stay: a test suite's code generation flags, say, which
+    the processes started from here inherit. Only takes effect before JAX starts
+    its backends.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        count_flag = f"--xla_force_host_platform_device_count={count}"
+        os.environ["XLA_FLAGS"] = f"{flags} {count_flag}".strip()
+
+
 def _kind(annotation):
     """The element type of ``int``, ``int | None`` or ``tuple[int, ...]``."""
     args = [a for a in typing.get_args(annotation) if a not in (type(None), Ellipsis)]
@@ -139,11 +152,7 @@ def parse(
     for rule in (_check, check):
         if rule is not None and (message := rule(config)):
             parser.error(message)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        here = config.devices // config.nodes if config.coordinator else config.devices
-        count = f"--xla_force_host_platform_device_count={here}"
-        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+    force_cpu_devices(config.devices // config.nodes if config.coordinator else config.devices)
     import jax  # only now: XLA_FLAGS is read when the backends start
 
     if config.coordinator is not None:
