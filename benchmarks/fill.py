@@ -11,43 +11,23 @@ perplexity. A label is a registry name with options after a colon::
         sidco-e:adaptation=paper sidco-e:adaptation=fill sidco-e:warmup_steps=50 topk dense
 """
 
-import argparse
 import dataclasses
-import importlib
-import json
-import pathlib
-import tempfile
+
+from benchmarks import trainers
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("labels", nargs="+")
-    parser.add_argument("--trainer", choices=("cnn", "lm"), default="lm")
-    parser.add_argument("--ratio", type=float, default=0.001)
-    parser.add_argument("--steps", type=int, default=300)
+    parser = trainers.parser(__doc__, ratio=0.001, steps=300)
     parser.add_argument("--skip", type=int, default=20, help="first steps left out")
-    parser.add_argument("--seeds", type=int, default=1, help="runs per label, seeds 0, 1, ...")
-    parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-
     import numpy as np
 
-    from examples.common import cli, training
-
-    cli.force_cpu_devices(8)  # before JAX starts its backends
-
-    task, config = training.example(f"{args.trainer}:default")
-    config = dataclasses.replace(
-        config, ratio=args.ratio, steps=args.steps, progress=False, eval_every=args.steps
-    )
-    trainer = importlib.import_module(f"examples.{args.trainer}.train")
-
-    rows = []
-    print(f"\n{args.trainer}, ratio {args.ratio}, {args.steps} steps, {args.seeds} seed(s)\n")
+    task, config, trainer = trainers.prepare(args)
     print(
         "| run | final (min-max) | sent/target (median) | steps >= 0.5 | first 20 (mean) | s/step |"
     )
     print("|---|---:|---:|---:|---:|---:|")
+    rows = []
     for label in args.labels:
         runs = [
             run(label, dataclasses.replace(config, seed=seed), trainer, task, args.skip)
@@ -62,9 +42,7 @@ def main(argv=None) -> list[dict]:
             f"| {mid['seconds_per_step']:.3f} |",
             flush=True,
         )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+    trainers.write(rows, args.json)
     return rows
 
 
@@ -74,12 +52,10 @@ def run(label: str, config, trainer, task, skip: int) -> dict:
 
     from benchmarks.overhead import parse_label
 
-    name, options = parse_label(label)
-    with tempfile.TemporaryDirectory() as workdir:
-        history = trainer.train_and_evaluate(config, workdir, name, task=task, options=options)
+    history = trainers.train(label, config, trainer, task)
     achieved = np.asarray(history.achieved)
     tail = achieved[skip:]
-    start = options.get("warmup_steps", 0)
+    start = parse_label(label)[1].get("warmup_steps", 0)
     return {
         "run": label,
         "seed": config.seed,

@@ -11,12 +11,9 @@ steps every ``H`` steps (``sidco.diloco``)::
         dense sidco-e dense@8 dense@32 dense@128 sidco-e@8 sidco-e@32 sidco-e@128
 """
 
-import argparse
 import dataclasses
-import importlib
-import json
-import pathlib
-import tempfile
+
+from benchmarks import trainers
 
 
 def parse(label: str) -> tuple[str, int]:
@@ -26,13 +23,9 @@ def parse(label: str) -> tuple[str, int]:
 
 
 def run(label: str, config, trainer, task) -> dict:
-    from benchmarks.overhead import parse_label
-
     compressor, every = parse(label)
-    name, options = parse_label(compressor)
     config = dataclasses.replace(config, outer_every=every)
-    with tempfile.TemporaryDirectory() as workdir:
-        history = trainer.train_and_evaluate(config, workdir, name, task=task, options=options)
+    history = trainers.train(compressor, config, trainer, task)
     return {
         "run": label,
         "seed": config.seed,
@@ -43,36 +36,15 @@ def run(label: str, config, trainer, task) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("labels", nargs="+")
-    parser.add_argument("--trainer", choices=("cnn", "lm"), default="lm")
-    parser.add_argument("--ratio", type=float, default=0.01)
-    parser.add_argument("--steps", type=int, help="default: the trainer's")
-    parser.add_argument("--seeds", type=int, default=1, help="runs per label, seeds 0, 1, ...")
+    parser = trainers.parser(__doc__, ratio=0.01, steps=None)
     parser.add_argument("--outer-learning-rate", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-
     import numpy as np
 
-    from examples.common import cli, training
-
-    cli.force_cpu_devices(8)  # before JAX starts its backends
-
-    task, config = training.example(f"{args.trainer}:default")
-    steps = args.steps or config.steps
-    config = dataclasses.replace(
-        config,
-        ratio=args.ratio,
-        steps=steps,
-        progress=False,
-        eval_every=steps,
-        outer_learning_rate=args.outer_learning_rate,
-        outer_momentum=args.outer_momentum,
+    task, config, trainer = trainers.prepare(
+        args, outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum
     )
-    trainer = importlib.import_module(f"examples.{args.trainer}.train")
-    print(f"\n{args.trainer}, ratio {args.ratio}, {steps} steps, {args.seeds} seed(s)\n")
     print("| run | final (min-max) | bytes/step/device | s/step |")
     print("|---|---:|---:|---:|")
     rows = []
@@ -89,9 +61,7 @@ def main(argv=None) -> list[dict]:
             f"| {np.median([r['seconds_per_step'] for r in runs]):.3f} |",
             flush=True,
         )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+    trainers.write(rows, args.json)
     return rows
 
 
