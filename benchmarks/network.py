@@ -22,8 +22,9 @@ run training ``--target-steps`` steps on the same batches (the same samples).
 A label ``name@H`` there trains with outer steps every ``H`` steps
 (``sidco.diloco``: SGD with the job's momentum inside, DiLoCo's Nesterov
 outside), exchanging the pseudo-gradients through compressor ``name``. Each
-run reports the seconds until its smoothed training loss first reaches the
-highest final one among the job's runs, and its final validation figure.
+run reports the seconds, counted from the end of its first step (which
+compiles), until its smoothed training loss first reaches the highest final
+one among the job's runs, and its final validation figure.
 
 How it is timed, so that machine noise (shared cores) hits every compressor
 alike rather than deciding the result:
@@ -340,11 +341,13 @@ def _train(task, config, name: str, ratio: float, steps: int) -> dict:
 
     trainer, params, batches, _ = _setup(task, config, name, ratio, steps)
     opt_state = trainer.opt_state
-    seconds, losses, start = [], [], time.perf_counter()
+    seconds, losses, start = [], [], None
     for batch in batches:
         params, opt_state, loss = trainer.step(params, opt_state, batch)
         losses.append(float(jax.block_until_ready(loss).addressable_data(0)))
-        seconds.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        start = now if start is None else start  # the first step compiles (0.5-16 s)
+        seconds.append(now - start)
     # Device 0's parameters: with outer steps, the anchor after the last exchange.
     mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
     if OUTER in name:

@@ -362,6 +362,8 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
         ("sidco-e@2", 1),
     ]
     assert all(1 <= t["steps"] <= 4 and 0 < t["final_eval"] <= 1 for t in reached)
+    for trace in record["traces"]:  # the clock starts once the first step (the compile) is done
+        assert trace["seconds"][0] == 0.0 and np.all(np.diff(trace["seconds"]) > 0), trace
     assert "| cnn:tiny | 100mbit | sidco-e@2 | 0.01 |" in done.stdout
     assert _ours() == before
 
