@@ -57,7 +57,7 @@ def test_laplace_density_within_ten_percent(rng, estimator, ratio):
 
 
 @pytest.mark.parametrize("estimator", sidco.ESTIMATORS)
-@pytest.mark.parametrize("law", ["student_t3", "normal", "gamma0.3"])
+@pytest.mark.parametrize("law", quick_first(["student_t3", "normal", "gamma0.3"]))
 def test_multi_stage_fixes_what_one_stage_misses(samples, estimator, law):
     x = samples[law].astype(np.float32)
     ratio = 0.001
