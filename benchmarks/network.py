@@ -346,7 +346,7 @@ def _train(task, config, name: str, ratio: float, steps: int) -> dict:
         params, opt_state, loss = trainer.step(params, opt_state, batch)
         losses.append(float(jax.block_until_ready(loss).addressable_data(0)))
         now = time.perf_counter()
-        start = now if start is None else start  # the first step compiles (0.5-16 s)
+        start = now if start is None else start  # the clock starts once step 1 compiled
         seconds.append(now - start)
     # Device 0's parameters: with outer steps, the anchor after the last exchange.
     mine = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
