@@ -6,6 +6,8 @@ leaves into a few flat buckets and keeps the residual so. Both order the
 entries alike, so they must agree on every update, residual and figure.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,7 +179,73 @@ def test_auto_is_the_tree_on_cpu_and_buckets_elsewhere(monkeypatch):
     params = params_of(SMALL)
     assert isinstance(sidco.compress(0.1).init(params).residual, dict)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert isinstance(sidco.compress(0.1).init(params).residual, layout_lib.Buckets)
+    # Arrays on CPU devices keep the tree whatever the default backend says...
+    assert isinstance(sidco.compress(0.1).init(params).residual, dict)
+    # ...which decides only for leaves that name no devices.
+    host = jax.tree.map(np.asarray, params)
+    assert isinstance(sidco.compress(0.1).init(host).residual, layout_lib.Buckets)
+
+
+def test_auto_follows_the_platform_of_an_abstract_mesh():
+    tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh(
+        (4,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=tpu
+    )
+    tx = sidco.compress(0.01, axis_name=AXIS)
+    bare = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    placed = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=NamedSharding(mesh, P()))}
+    in_map = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())
+    with jax.sharding.use_abstract_mesh(mesh):
+        in_context = jax.eval_shape(tx.init, bare)
+    for state in jax.eval_shape(tx.init, placed), jax.eval_shape(in_map, bare), in_context:
+        assert isinstance(state.residual, layout_lib.Buckets)
+    assert isinstance(jax.eval_shape(tx.init, bare).residual, dict)  # no mesh: the CPU
+
+
+def tpu_topology_mesh(monkeypatch, axis: str) -> jax.sharding.Mesh:
+    """A mesh of the 4 chips of a TPU v5e 2x2 topology, for compiling without a TPU.
+
+    Skipped where libtpu is not installed, except under CI, where it must be.
+    """
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        message = "libtpu is not installed: no TPU topology to compile for"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"{message} (CI installs it: the TPU layout test must run there)")
+        pytest.skip(message)
+    from jax.experimental import topologies
+
+    # Compiling needs no TPU, so no claim on one: another process of the machine
+    # may hold libtpu's lock file.
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    return topologies.make_mesh(topology, (4,), (axis,))
+
+
+@pytest.mark.slow
+def test_auto_takes_the_buckets_for_a_tpu_program_compiled_on_a_cpu_host(monkeypatch):
+    mesh = tpu_topology_mesh(monkeypatch, AXIS)
+    assert jax.default_backend() == "cpu"
+    params = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=NamedSharding(mesh, P()))}
+    tx = sidco.compress(0.01, axis_name=AXIS)
+    in_map = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()))
+    for state in jax.eval_shape(tx.init, params), in_map.trace(params).out_info:
+        assert isinstance(state.residual, layout_lib.Buckets)
+
+    # Without a residual, the update decides from the gradient's devices.
+    planned, plan = [], layout_lib.plan
+
+    def spy(floats, layout, *rest):
+        planned.append(layout)
+        return plan(floats, layout, *rest)
+
+    monkeypatch.setattr(layout_lib, "plan", spy)
+    tx = sidco.compress(0.01, axis_name=AXIS, error_feedback=False)
+    state = jax.eval_shape(tx.init, params)
+    step = jax.shard_map(tx.update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()))
+    jax.jit(step).trace(params, state).lower()
+    assert planned == ["buckets"]
 
 
 def test_buckets_hold_at_most_bucket_bytes_of_one_dtype_in_leaf_order():

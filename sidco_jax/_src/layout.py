@@ -16,7 +16,9 @@ them, and a residual converts from one to another by concatenation.
   own), one dtype per bucket, and the residual is stored as those buckets
   (:class:`Buckets`). A step packs the gradient once and unpacks the update
   with slices, so the kernels it launches do not grow with the leaf count.
-* ``"auto"``: the tree on CPU and buckets elsewhere, decided at ``init``.
+* ``"auto"``: the tree for CPU devices and buckets for others, decided at
+  ``init`` from the devices of the parameters or the mesh it runs under
+  (:func:`platform_of`), not from the default backend.
 
 With ``granularity="leaf"`` every leaf is a part of its own in both layouts:
 each is selected on its own anyway.
@@ -81,11 +83,47 @@ def check_layout(layout, bucket_bytes) -> int:
     return check_integer("bucket_bytes", static("bucket_bytes", bucket_bytes), 1, None)
 
 
-def resolve(layout: str) -> str:
-    """``"tree"`` or ``"buckets"``: ``"auto"`` decided by the default backend."""
+def resolve(layout: str, arrays) -> str:
+    """``"tree"`` or ``"buckets"``: ``"auto"`` is the tree where ``arrays`` are for the CPU."""
     if layout != "auto":
         return layout
-    return "tree" if jax.default_backend() == "cpu" else "buckets"
+    return "tree" if platform_of(arrays) == "cpu" else "buckets"
+
+
+def platform_of(tree) -> str:
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) the arrays of ``tree`` are for.
+
+    Not simply ``jax.default_backend()``: a program may be built for other
+    devices than the host's default ones (a TPU program compiled on a CPU host
+    from a ``jax.experimental.topologies`` mesh, with libtpu and no TPU; arrays
+    placed on a GPU by a process whose default is the CPU). So, in order: the
+    devices of the first leaf that names them through its sharding (a
+    concrete array, a ``jax.ShapeDtypeStruct`` with a sharding, or a tracer
+    whose type carries a mesh: an input of ``jax.shard_map``, or a sharded
+    input of ``jax.jit``); the abstract mesh in context (``jax.shard_map``,
+    ``jax.set_mesh``); and only then the default backend.
+    """
+    for leaf in jax.tree.leaves(tree):
+        platform = _leaf_platform(leaf)
+        if platform is not None:
+            return platform
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
+def _leaf_platform(leaf) -> str | None:
+    """The platform ``leaf``'s sharding names, or None (no sharding, or a mesh without devices)."""
+    if isinstance(leaf, jax.core.Tracer):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+    else:
+        sharding = getattr(leaf, "sharding", None)  # arrays and shape structs
+    if sharding is None:
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # a tracer's type, or an abstract struct
+        device = mesh.abstract_device
+        return None if device is None else device.platform
+    return next(iter(sharding.device_set)).platform
 
 
 def residual_dtype(leaf) -> np.dtype:

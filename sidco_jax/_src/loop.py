@@ -304,7 +304,10 @@ def sparsifier(
         (leaf by leaf, small leaves packed together: fastest on XLA:CPU),
         ``"buckets"`` (packed into a few flat buckets: the kernels launched
         do not grow with the leaf count, for GPU and TPU) or ``"auto"``
-        (default: the tree on CPU, buckets elsewhere, decided at ``init``).
+        (default: the tree for CPU devices, buckets for GPU and TPU, decided
+        at ``init`` from the devices of the parameters, or of the mesh it runs
+        under, not from ``jax.default_backend()``; with
+        ``error_feedback=False``, at each ``update`` from the gradient's).
         Both give the same result; :func:`sidco_jax.restore` converts a
         checkpoint from one to the other.
       bucket_bytes: the most bytes of residual per bucket, a positive int
@@ -357,7 +360,7 @@ def sparsifier(
         residual = None
         if error_feedback:
             residual = _init_residual(
-                params, layout_lib.resolve(layout), bucket_bytes, by_leaf, shards
+                params, layout_lib.resolve(layout, params), bucket_bytes, by_leaf, shards
             )
         return CompressState(
             residual=residual,
@@ -379,7 +382,7 @@ def sparsifier(
         if n == 0 and not complex_at:
             return updates, state._replace(count=next_count(state.count))
         devices = _devices(axis_name)
-        held = "buckets" if shards is not None else layout_lib.resolve(layout)
+        held = "buckets" if shards is not None else layout_lib.resolve(layout, grads)
         if error_feedback:
             held = _check_layout(layout, state.residual, shards is not None)
         parts = layout_lib.plan(grads, held, bucket_bytes, by_leaf)
