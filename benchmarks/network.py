@@ -76,7 +76,8 @@ from benchmarks.virtual_link import VirtualLink, bits_per_second, unavailable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 COMPRESSORS = ("dense", "topk", "dgc", "gaussiank", "redsync", "sidco-e", "sidco-p", "sidco-gp")
-# (randomk is left out by default: it does not converge at these ratios, docs/benchmarks.md)
+# (randomk is left out by default: it does not converge at these ratios, docs/benchmarks.md;
+# approxk too: off a TPU it is top-k)
 PORT = 4800  # free: the namespaces are new and hold nothing else
 PARTS = ("step", "compute", "compression", "communication")
 

@@ -26,7 +26,7 @@ from sidco_jax._src.base import (
     Rule,
     Selection,
 )
-from sidco_jax._src.baselines import dense, dgc, gaussiank, randomk, redsync, topk
+from sidco_jax._src.baselines import approxk, dense, dgc, gaussiank, randomk, redsync, topk
 from sidco_jax._src.checkpoint import restore, save
 from sidco_jax._src.codecs import INDEX_CODECS, VALUE_CODECS
 from sidco_jax._src.control import AdaptationState
@@ -60,6 +60,7 @@ __all__ = [
     "Selection",
     "SidcoState",
     "accumulate",
+    "approxk",
     "capacity",
     "checkpoint",
     "compress",

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import flat_residual, quick_first
+from harness import equations, flat_residual, quick_first
 
 import sidco_jax as sidco
 
@@ -134,6 +134,46 @@ def test_topk_metrics_and_payload_match_numpy(rng):
     assert float(m["density"]) == pytest.approx(k / g.size)
     assert float(m["threshold"]) == pytest.approx(np.sort(np.abs(g))[-k])
     assert int(m["bytes"]) == k * 8 and int(m["stages"]) == 0
+
+
+@pytest.mark.parametrize("granularity", sidco.GRANULARITIES)
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_approxk_is_topk_bit_for_bit_off_tpu(rng, ratio, granularity):
+    # XLA computes approx_max_k exactly off TPU: the same entries, update and residual.
+    if jax.default_backend() == "tpu":
+        pytest.skip("approx_max_k is approximate on a TPU")
+    leaves = {"w": (40, 50), "b": (50,), "c": (3, 7, 11), "s": (1,)}
+    stream = [
+        {k: rng.standard_t(3, size=shape).astype(np.float32) for k, shape in leaves.items()}
+        for _ in range(3)
+    ]
+    txs = [f(ratio, granularity=granularity) for f in (sidco.topk, sidco.approxk)]
+    states = [tx.init(stream[0]) for tx in txs]
+    for grads in stream:  # later steps select from gradient plus residual
+        (want, want_state), (got, got_state) = [
+            jax.jit(tx.update)(grads, state) for tx, state in zip(txs, states, strict=True)
+        ]
+        states = [want_state, got_state]
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        jax.tree.map(np.testing.assert_array_equal, got_state.residual, want_state.residual)
+        jax.tree.map(np.testing.assert_array_equal, got_state.last, want_state.last)
+
+
+def test_approxk_payload_is_in_index_order_with_its_recall_target(rng):
+    from sidco_jax._src import payload as payload_lib
+
+    vectors = [jnp.asarray(rng.normal(size=n), jnp.float32) for n in (300, 1, 57)]
+    approx = functools.partial(jax.lax.approx_max_k, recall_target=0.5)
+    payload, kth = payload_lib.largest(vectors, 20, 24, 20, top_k=approx)
+    indices = np.asarray(payload.indices)
+    assert np.all(np.diff(indices[:20]) > 0) and np.all(indices[20:] == 358)  # padding: n
+    flat = np.concatenate([np.asarray(v) for v in vectors])
+    np.testing.assert_array_equal(payload.values[:20], flat[indices[:20]])
+    assert float(kth) == np.min(np.abs(flat[indices[:20]]))
+    tx = sidco.approxk(0.05, recall_target=0.5)
+    jaxpr = jax.make_jaxpr(tx.update)(vectors[0], tx.init(vectors[0]))
+    recalls = [e.params["recall_target"] for e in equations(jaxpr) if "approx" in e.primitive.name]
+    assert recalls == [0.5]
 
 
 def test_randomk_draws_the_same_indices_for_the_same_step_and_seed(rng):
@@ -264,6 +304,7 @@ def test_the_registry_builds_every_documented_name():
         "sidco-p",
         "sidco-gp",
         "topk",
+        "approxk",
         "dgc",
         "gaussiank",
         "redsync",

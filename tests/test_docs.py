@@ -71,7 +71,8 @@ def test_every_list_of_all_compressors_is_the_registrys():
                 assert listed == set(sidco.COMPRESSORS), (page.name, paragraph[:200])
                 found += 1
     assert found >= 3
-    # The network benchmark keeps its list without importing JAX: every one but randomk.
+    # The network benchmark keeps its list without importing JAX: every one but randomk
+    # (it does not converge) and approxk (on the CPU it is top-k).
     from benchmarks import network
 
-    assert set(network.COMPRESSORS) == set(sidco.COMPRESSORS) - {"randomk"}
+    assert set(network.COMPRESSORS) == set(sidco.COMPRESSORS) - {"randomk", "approxk"}

@@ -95,6 +95,12 @@ CASES = [
     bad(sidco.redsync, 0.1, tolerance="small", error=TypeError, name="tolerance",
         value="'small'"),
     bad(sidco.redsync, 0.1, tolerance=1.0, error=ValueError, name="tolerance", value="1.0"),
+    bad(sidco.approxk, 0.1, recall_target="0.9", error=TypeError, name="recall_target",
+        value="'0.9'"),
+    bad(sidco.approxk, 0.1, recall_target=True, error=TypeError, name="recall_target",
+        value="True"),
+    bad(sidco.approxk, 0.1, recall_target=NAN, error=ValueError, name="recall_target",
+        value="nan"),
     bad(sidco.dgc, 0.1, seed=-1, error=ValueError, name="seed", value="-1"),
     bad(sidco.dgc, 0.1, seed=2**32, error=ValueError, name="seed", value="4294967296"),
     bad(sidco.randomk, 0.1, seed="0", error=TypeError, name="seed", value="'0'"),
@@ -133,6 +139,12 @@ CASES = [
     bad(sidco.compress, 0.01, band=1.5, error=ValueError, name="band", value="1.5"),
     bad(sidco.dgc, 0.1, sample_ratio=0.0, error=ValueError, name="sample_ratio", value="0.0"),
     bad(sidco.redsync, 0.1, tolerance=0.0, error=ValueError, name="tolerance", value="0.0"),
+    bad(sidco.approxk, 0.1, recall_target=0.0, error=ValueError, name="recall_target",
+        value="0.0"),
+    bad(sidco.approxk, 0.1, recall_target=1.5, error=ValueError, name="recall_target",
+        value="1.5"),
+    bad(sidco.compressor, "approxk", 0.1, recall_target=-1, error=ValueError,
+        name="recall_target", value="-1"),
     # The registry.
     bad(sidco.compressor, "nope", 0.1, error=ValueError, name="compressor", value="'nope'"),
     # The functional API: threshold, sparsify, capacity, max_stages.
@@ -237,6 +249,14 @@ def test_traced_ratio_still_must_be_static():
     tx = optax.inject_hyperparams(sidco.compress)(0.05)
     with pytest.raises(ValueError, match="ratio sets the payload shape and must be static"):
         jax.jit(tx.update)(X, tx.init(X))
+
+
+def test_approxk_recall_target_is_static_and_may_be_a_numpy_scalar():
+    tx = optax.inject_hyperparams(sidco.approxk, static_args=("ratio",))(0.1, recall_target=0.9)
+    with pytest.raises(ValueError, match="recall_target is a compile-time argument"):
+        jax.jit(tx.update)(X, tx.init(X))
+    tx = sidco.approxk(0.1, recall_target=np.float32(0.5))
+    assert int(jnp.count_nonzero(jax.jit(tx.update)(X, tx.init(X))[0])) == 6
 
 
 @pytest.mark.parametrize("ratio", [2.0, -1.0, 0.0, NAN])

@@ -59,7 +59,7 @@ def test_the_first_steps_are_dense_then_compression_starts_losing_nothing(rng, n
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sidco-e", "sidco-p", "topk", "gaussiank", "redsync"])
+@pytest.mark.parametrize("name", ["sidco-e", "sidco-p", "topk", "approxk", "gaussiank", "redsync"])
 def test_after_warmup_a_deterministic_rule_compresses_as_from_a_fresh_start(rng, name):
     stream = gradient_stream(rng, WARMUP + 2)
     updates, states = run_local(sidco.compressor(name, 0.05, warmup_steps=WARMUP), stream)

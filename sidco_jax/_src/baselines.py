@@ -7,6 +7,7 @@ feedback, granularity, non-finite handling and metrics are the same for all,
 is the dense mean.
 """
 
+import functools
 import math
 from typing import Unpack
 
@@ -67,6 +68,63 @@ def topk(
         del abs_sums, state, key
         k = _k(passes.size(vectors), ratio)
         payload, kth = payload_lib.largest(vectors, k, k, k)
+        return Selection(payload, kth, k * SLOT_BYTES)
+
+    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+
+
+@takes_loop_options
+def approxk(
+    ratio: float,
+    *,
+    recall_target: float = 0.95,
+    **options: Unpack[LoopOptions],
+) -> optax.GradientTransformationExtraArgs:
+    """Approximate top-k sparsification (``lax.approx_max_k``) with error feedback.
+
+    The same ``k`` and payload as :func:`topk`, the entries picked by
+    ``lax.approx_max_k`` on each vector and then among those candidates. On a
+    TPU that is an approximate PartialReduce, a few kernels and no full sort,
+    which finds each true top-k entry with probability about
+    ``recall_target``; the entries it misses stay in the residual. On CPU and
+    GPU, XLA computes it exactly: the update is :func:`topk`'s (among equal
+    magnitudes the entry picked may differ).
+
+    Args:
+      ratio: target density in (0, 1]; ``k = max(floor(n * ratio), 1)``.
+      recall_target: expected fraction of the true top-k found on a TPU, in
+        (0, 1] (no effect elsewhere).
+      **options: the loop's options (:class:`~sidco_jax.typing.LoopOptions`).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      TypeError: for an argument of the wrong type, bools where a number is
+        expected included (see :func:`compress`).
+      ValueError: for a value out of range (NaN and inf included) or an
+        unknown name.
+
+    References:
+      Chern et al., "TPU-KNN: K Nearest Neighbor Search at Peak FLOP/s", 2022.
+
+    Examples:
+      >>> import jax.numpy as jnp, sidco_jax as sidco
+      >>> tx = sidco.approxk(0.25)
+      >>> g = jnp.array([0.1, -5.0, 0.3, 2.0, 0.0, 0.2, -0.4, 0.05])
+      >>> tx.update(g, tx.init(g))[0]
+      Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
+    """
+    ratio = check_ratio(static("ratio", ratio))
+    why = "is a compile-time argument of lax.approx_max_k and must be static"
+    recall_target = static("recall_target", recall_target, why)
+    recall_target = check_number("recall_target", recall_target, 0.0, 1.0, open_low=True)
+    top_k = functools.partial(lax.approx_max_k, recall_target=recall_target)
+
+    def select(vectors, abs_sums, state, key):
+        del abs_sums, state, key
+        k = _k(passes.size(vectors), ratio)
+        payload, kth = payload_lib.largest(vectors, k, k, k, top_k=top_k)
         return Selection(payload, kth, k * SLOT_BYTES)
 
     return sparsifier(Rule(empty_init, select), ratio=ratio, **options)

@@ -27,7 +27,7 @@ in ``docs/design.md``.
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -314,28 +314,34 @@ def strongest(payload: Payload, capacity: int) -> Payload:
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
 
+TopK = Callable[[jax.Array, int], Sequence[jax.Array]]
+"""``top_k(x, k) -> (values, indices)`` of 1-D ``x``, as ``lax.top_k``."""
+
+
 @in_payload_phase
 def largest(
-    vectors: Sequence[jax.Array], k: int, capacity: int, selected
+    vectors: Sequence[jax.Array], k: int, capacity: int, selected, top_k: TopK = lax.top_k
 ) -> tuple[Payload, jax.Array]:
-    """Exact top-k over 1-D ``vectors`` as a payload of ``capacity >= k`` slots.
+    """Top-k over 1-D ``vectors`` as a payload of ``capacity >= k`` slots.
 
-    Each vector's own top-k, then the top-k of those candidates: exact, and
-    nothing of size ``n`` is concatenated. Returns the payload and the k-th
-    magnitude.
+    Each vector's own top-k, then the top-k of those candidates: exact with
+    the default ``top_k`` (``lax.top_k``), and nothing of size ``n`` is
+    concatenated. Another ``top_k`` with its signature (``lax.approx_max_k``)
+    picks both the candidates and the final ``k``. Returns the payload and the
+    k-th magnitude (the least of those picked).
     """
     n = sum(v.shape[0] for v in vectors)
     offset, mags, idx = 0, [], []
     for v in vectors:
         if v.shape[0]:
-            m, i = lax.top_k(jnp.abs(v), min(k, v.shape[0]))
+            m, i = top_k(jnp.abs(v), min(k, v.shape[0]))
             mags.append(m)
             idx.append(i.astype(jnp.int32) + offset)
         offset += v.shape[0]
     if len(mags) == 1:
         (mags,), (idx,) = mags, idx
     else:
-        mags, pick = lax.top_k(jnp.concatenate(mags), k)
+        mags, pick = top_k(jnp.concatenate(mags), k)
         idx = jnp.concatenate(idx)[pick]
     idx = jnp.sort(idx)  # top_k's order is by magnitude; a payload's is by index
     pad = capacity - k

@@ -1,10 +1,10 @@
 """Every compressor by name: one table for the examples, benchmarks, tests and users.
 
 Names are as in the docs: ``sidco-e``, ``sidco-p``, ``sidco-gp`` (SIDCo with
-the exponential, generalized Pareto and gamma estimators), ``topk``, ``dgc``,
-``gaussiank``, ``redsync``, ``randomk`` and ``dense``. Adding a compressor is a
-:class:`~sidco_jax.Rule` run by :func:`~sidco_jax.sparsifier` in a factory,
-plus one line here.
+the exponential, generalized Pareto and gamma estimators), ``topk``,
+``approxk``, ``dgc``, ``gaussiank``, ``redsync``, ``randomk`` and ``dense``.
+Adding a compressor is a :class:`~sidco_jax.Rule` run by
+:func:`~sidco_jax.sparsifier` in a factory, plus one line here.
 """
 
 import functools
@@ -34,6 +34,7 @@ FACTORIES: dict[str, Factory] = {
     "sidco-p": functools.partial(compress, estimator="gpareto"),
     "sidco-gp": functools.partial(compress, estimator="gamma"),
     "topk": baselines.topk,
+    "approxk": baselines.approxk,
     "dgc": baselines.dgc,
     "gaussiank": baselines.gaussiank,
     "redsync": baselines.redsync,
