@@ -145,8 +145,10 @@ def test_bracket_takes_the_highest_threshold_that_fills_the_payload(samples, law
     x = np.abs(samples[law][:40_000]).astype(np.float32)
     fitted = float(np.sort(x)[-capacity])  # so that the answer lies inside the bracket
     for eta in (fitted * 0.6, fitted, fitted * 1.7):
-        chosen = float(control.bracket([jnp.asarray(x)], jnp.float32(eta), capacity))
+        chosen, count = control.bracket([jnp.asarray(x)], jnp.float32(eta), capacity)
+        chosen = float(chosen)
         assert eta / control.BRACKET_SPAN <= chosen <= eta * control.BRACKET_SPAN
+        assert int(count) == np.sum(x > chosen)
         # A NumPy oracle: it fills the payload, and the next threshold of the
         # fine grid (2**(1/32) higher) would not.
         assert np.sum(x > chosen) >= capacity
@@ -156,14 +158,13 @@ def test_bracket_takes_the_highest_threshold_that_fills_the_payload(samples, law
 def test_bracket_falls_back_to_its_ends_and_keeps_a_zero_threshold():
     x = jnp.arange(1.0, 101.0)
     # Too few even at eta / 2: the lowest; too many even at 2 eta: the highest.
-    assert float(control.bracket([x], jnp.float32(150.0), 50)) == pytest.approx(75.0)
-    assert float(control.bracket([x], jnp.float32(10.0), 50)) == pytest.approx(20.0)
-    assert float(control.bracket([x], jnp.float32(0.0), 50)) == 0.0
+    assert float(control.bracket([x], jnp.float32(150.0), 50)[0]) == pytest.approx(75.0)
+    assert float(control.bracket([x], jnp.float32(10.0), 50)[0]) == pytest.approx(20.0)
+    assert [int(v) for v in control.bracket([x], jnp.float32(0.0), 50)] == [0, 100]
     # Several vectors count together, as one.
     halves = [x[:50], x[50:]]
-    assert float(control.bracket(halves, jnp.float32(60.0), 30)) == float(
-        control.bracket([x], jnp.float32(60.0), 30)
-    )
+    one, two = control.bracket(halves, jnp.float32(60.0), 30), control.bracket([x], 60.0, 30)
+    assert [float(v) for v in one] == [float(v) for v in two]
 
 
 def test_fill_fills_where_the_paper_adaptation_does_not_without_recompiling(rng):

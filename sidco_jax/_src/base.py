@@ -51,12 +51,15 @@ class Selection(NamedTuple):
       bytes: static size of the message in bytes.
       shared: whether the indices are the same on every device (then only the
         values need to travel).
+      filled: whether the rule fills a starved payload itself (otherwise the
+        loop does: :func:`~sidco_jax._src.selection.fill_if_starved`).
     """
 
     payload: "Payload | None"
     threshold: jax.Array
     bytes: int
     shared: bool = False
+    filled: bool = False
 
 
 class CompressMetrics(NamedTuple):

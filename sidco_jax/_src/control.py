@@ -162,7 +162,9 @@ def fill(log_scale: jax.Array, selected_over_capacity: jax.Array, skip: jax.Arra
     return jnp.where(skip, log_scale, new).astype(jnp.float32)
 
 
-def bracket(vectors: Sequence[jax.Array], eta: jax.Array, capacity: int) -> jax.Array:
+def bracket(
+    vectors: Sequence[jax.Array], eta: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array]:
     """The highest threshold near ``eta`` that still fills the payload, in two counting passes.
 
     Under error feedback the residual piles many entries up at about the same
@@ -182,7 +184,8 @@ def bracket(vectors: Sequence[jax.Array], eta: jax.Array, capacity: int) -> jax.
       capacity: the payload's slots.
 
     Returns:
-      The float32 threshold, within a factor ``BRACKET_SPAN`` of ``eta``.
+      The float32 threshold, within a factor ``BRACKET_SPAN`` of ``eta``, and
+      the int32 count of entries above it.
     """
     eta = jnp.asarray(eta, jnp.float32)
     steps = jnp.linspace(0.0, 1.0, BRACKET)
@@ -194,4 +197,4 @@ def bracket(vectors: Sequence[jax.Array], eta: jax.Array, capacity: int) -> jax.
         best = jnp.maximum(jnp.sum(counts >= capacity) - 1, 0)
         low, high = candidates[best], candidates[jnp.minimum(best + 1, BRACKET - 1)]
         after = counts[0].astype(jnp.float32)
-    return low
+    return low, counts[best]

@@ -15,6 +15,7 @@ Scalars, including the zero used by ``relu``, travel through the barrier too,
 so that no broadcast constant is shared between passes.
 """
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,29 @@ Operands = jax.Array | Sequence[Any]
 
 WORD = 32  # entries per bitmask word (uint32)
 _ALIGN = 64  # block_words' main row reduction covers a multiple of this many words
+
+
+_FORMULATION: str | None = None  # None: by platform; "words" or "blocks" forces one
+
+
+@contextlib.contextmanager
+def formulation(name: str):
+    """Within it, passes and payloads trace with one formulation on every backend (for
+    tests that check the accelerators' on the CPU): ``"words"`` (XLA:CPU's) or
+    ``"blocks"`` (GPU and TPU: plain reductions that XLA fuses as it likes)."""
+    global _FORMULATION
+    saved, _FORMULATION = _FORMULATION, name
+    try:
+        yield
+    finally:
+        _FORMULATION = saved
+
+
+def by_platform(cpu, default):
+    """``cpu()`` on XLA:CPU, ``default()`` on GPU and TPU, as the program is lowered."""
+    if _FORMULATION is not None:
+        return (cpu if _FORMULATION == "words" else default)()
+    return lax.platform_dependent(cpu=cpu, default=default)
 
 
 def as_list(xs: Operands) -> list:
@@ -61,15 +85,23 @@ def reduce_parts(
     Returns:
       One float32 scalar per operand.
     """
-    token = jnp.zeros((), jnp.float32) if after is None else after
-    out = []
-    for x in as_list(xs):
-        xb, sb, zero, _ = lax.optimization_barrier(
-            (x, tuple(scalars), jnp.zeros((), jnp.float32), token)
-        )
-        token = op(term(xb, zero, *sb).astype(jnp.float32))
-        out.append(token)
-    return out
+
+    def ordered():
+        token = jnp.zeros((), jnp.float32) if after is None else after
+        out = []
+        for x in as_list(xs):
+            xb, sb, zero, _ = lax.optimization_barrier(
+                (x, tuple(scalars), jnp.zeros((), jnp.float32), token)
+            )
+            token = op(term(xb, zero, *sb).astype(jnp.float32))
+            out.append(token)
+        return out
+
+    def plain():
+        zero = jnp.zeros((), jnp.float32)
+        return [op(term(x, zero, *scalars).astype(jnp.float32)) for x in as_list(xs)]
+
+    return by_platform(ordered, plain)
 
 
 def reduce_each(
@@ -162,6 +194,24 @@ def _row_sums(
     rows of 128, three over rows of 16, nine over rows of 32 (measured:
     docs/design.md).
     """
+    return by_platform(
+        lambda: _row_sums_ordered(xs, elementwise, scalars, after, width),
+        lambda: _sums(xs, elementwise, scalars),
+    )
+
+
+def _sums(xs: Operands, elementwise, scalars: Sequence[jax.Array]) -> list[jax.Array]:
+    """:func:`_row_sums` as plain sums, for GPU and TPU (one fusion per operand)."""
+    totals = None
+    zero = jnp.zeros((), jnp.float32)
+    for x in as_list(xs):
+        part = [jnp.sum(v, dtype=v.dtype) for v in elementwise(jnp.ravel(x), zero, *scalars)]
+        totals = part if totals is None else [a + b for a, b in zip(totals, part, strict=True)]
+    return totals
+
+
+def _row_sums_ordered(xs, elementwise, scalars, after, width: int) -> list[jax.Array]:
+    """:func:`_row_sums` on XLA:CPU: ordered passes over rows of ``width``."""
     token = jnp.zeros((), jnp.float32) if after is None else after
     totals = None
     for x in as_list(xs):
@@ -230,9 +280,19 @@ def counts_above(xs: Operands, thresholds: jax.Array, after=None) -> jax.Array:
 
 def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:
     """Exact int32 count of ``|x| > threshold`` over all of ``xs``, one pass each."""
-    total = jnp.zeros((), jnp.int32)
-    for x in as_list(xs):
-        words = block_words(jnp.ravel(x), threshold, after)
-        after = jnp.sum(lax.optimization_barrier(lax.population_count(words)), dtype=jnp.int32)
-        total = total + after
-    return total
+
+    def by_words(after=after):
+        total = jnp.zeros((), jnp.int32)
+        for x in as_list(xs):
+            words = block_words(jnp.ravel(x), threshold, after)
+            after = jnp.sum(lax.optimization_barrier(lax.population_count(words)), dtype=jnp.int32)
+            total = total + after
+        return total
+
+    def plain():
+        return sum(
+            (jnp.sum(jnp.abs(x) > threshold, dtype=jnp.int32) for x in as_list(xs)),
+            jnp.zeros((), jnp.int32),
+        )
+
+    return by_platform(by_words, plain)

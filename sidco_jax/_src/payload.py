@@ -224,11 +224,18 @@ def _nth_bit(words: jax.Array, rank: jax.Array) -> jax.Array:
 
 @in_payload_phase
 def select_above(
-    vectors: Sequence[jax.Array], threshold: jax.Array, capacity: int, inclusive: bool = False
+    vectors: Sequence[jax.Array],
+    threshold: jax.Array,
+    capacity: int,
+    inclusive: bool = False,
+    ties: jax.Array | None = None,
 ) -> Payload:
     """:func:`sparsify` of 1-D float vectors, indexed over their concatenation.
 
-    ``inclusive`` selects ``|x| >= threshold`` instead.
+    ``inclusive`` selects ``|x| >= threshold`` instead; ``ties`` (an int32
+    count) selects also the first ``ties`` entries equal to the threshold, in
+    index order (:func:`kth_and_ties`; blocks only). Bitmask words on XLA:CPU,
+    a few dense kernels over blocks elsewhere (:func:`_by_blocks`).
     """
     sizes = [v.shape[0] for v in vectors]
     n = sum(sizes)
@@ -242,7 +249,107 @@ def select_above(
         return Payload(zeros, jnp.zeros((capacity,), jnp.int32), jnp.int32(0), jnp.int32(0))
     threshold = jnp.asarray(threshold)  # a float64 one is compared in float64 with float64 x
     threshold = threshold.astype(jnp.promote_types(threshold.dtype, jnp.float32))
+    vectors = [v for v in vectors if v.shape[0]]
+    if ties is not None:
+        return _by_blocks(vectors, threshold, capacity, inclusive, dtype, ties)
+    return passes.by_platform(
+        lambda: _by_words(vectors, threshold, capacity, inclusive, dtype),
+        lambda: _by_blocks(vectors, threshold, capacity, inclusive, dtype),
+    )
 
+
+_BLOCK = 128  # entries per block of _by_blocks (a TPU vector register's lanes)
+_SUPER = 128  # blocks per superblock
+
+
+def _prefix(counts: jax.Array) -> jax.Array:
+    """Inclusive int32 prefix sums along the last (short) axis, as one compare-and-sum."""
+    k = counts.shape[-1]
+    upto = jnp.arange(k)[:, None] <= jnp.arange(k)[None, :]
+    return jnp.sum(jnp.where(upto, counts[..., :, None], 0), axis=-2, dtype=jnp.int32)
+
+
+def _rank_in(prefix: jax.Array, rank: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For each ``rank``, the position in the inclusive ``prefix`` rows that reaches it,
+    and the rank left inside that position: two reductions over the same compare."""
+    before = prefix < rank[:, None]
+    at = jnp.sum(before, axis=-1, dtype=jnp.int32)
+    return at, rank - jnp.max(jnp.where(before, prefix, 0), axis=-1)
+
+
+def _by_blocks(vectors, threshold, capacity: int, inclusive: bool, dtype, ties=None) -> Payload:
+    """The payload from per-block counts, for GPU and TPU: a few dense kernels, no sort.
+
+    One pass counts the selected entries of every block of :data:`_BLOCK`;
+    each slot then finds its block by comparing its rank with the blocks'
+    prefix sums, superblock first (``capacity x (n / 2**14 + 128)``
+    comparisons), gathers that block's row and finds its entry from the
+    row's prefix (a matmul with a triangular matrix, exact on 0/1 values).
+    ``ties``: also the first ``ties`` entries equal to the threshold.
+    """
+    compare = jnp.greater_equal if inclusive else jnp.greater
+    rows, counts, equal = [], [], []
+    for v in vectors:
+        pad = -v.shape[0] % _BLOCK
+        row = jnp.pad(v, (0, pad), constant_values=jnp.nan).reshape(-1, _BLOCK)  # never chosen
+        t = threshold.astype(v.dtype)
+        rows.append(row)
+        counts.append(jnp.sum(compare(jnp.abs(row), t), 1, jnp.int32))
+        equal.append(jnp.sum(jnp.abs(row) == t, 1, jnp.int32))
+    firsts = np.cumsum([0, *(r.shape[0] for r in rows)])
+    join = lambda xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+    counts, blocks = join(counts), int(firsts[-1])
+    supers = -(-blocks // _SUPER)
+
+    def prefixes(counts):  # inclusive, per superblock and over superblocks
+        within = _prefix(jnp.pad(counts, (0, supers * _SUPER - blocks)).reshape(supers, _SUPER))
+        return within, _prefix(within[:, -1])
+
+    if ties is not None:  # each block's share of the ties, in index order
+        equal = join(equal)
+        within, upto = prefixes(equal)
+        ties_before = (within + (upto - within[:, -1])[:, None]).reshape(-1)[:blocks] - equal
+        counts = counts + jnp.clip(ties - ties_before, 0, equal)
+    within, upto = prefixes(counts)
+    selected = upto[-1]
+
+    rank = jnp.arange(1, capacity + 1, dtype=jnp.int32)
+    top, rank = _rank_in(upto[None, :], rank)
+    inner, rank = _rank_in(within[jnp.minimum(top, supers - 1)], rank)
+    block = jnp.minimum(top * _SUPER + inner, blocks - 1)
+    # Each slot's block row, and the index of the row's first entry over the concatenation.
+    values, base, start = None, None, 0
+    for row, first, last, v in zip(rows, firsts[:-1], firsts[1:], vectors, strict=True):
+        local = jnp.clip(block - int(first), 0, int(last - first) - 1)
+        got, at = row[local], start + local * _BLOCK
+        inside = block >= first
+        values = got if values is None else jnp.where(inside[:, None], got, values)
+        base = at if base is None else jnp.where(inside, at, base)
+        start += v.shape[0]
+    tri = jnp.triu(jnp.ones((_BLOCK, _BLOCK), jnp.bfloat16))
+
+    def reach(mask):  # inclusive prefix counts along each row: exact for 0/1 in bfloat16
+        return lax.dot(mask.astype(jnp.bfloat16), tri, preferred_element_type=jnp.float32)
+
+    t = threshold.astype(values.dtype)
+    chosen = compare(jnp.abs(values), t)
+    if ties is not None:
+        tie = jnp.abs(values) == t
+        before = ties_before[block][:, None]
+        chosen = chosen | (tie & (before + reach(tie).astype(jnp.int32) <= ties))
+    hit = chosen & (reach(chosen).astype(jnp.int32) == rank[:, None])
+    value = jnp.sum(jnp.where(hit, values, jnp.zeros((), values.dtype)), axis=1)
+    column = jnp.sum(jnp.where(hit, jnp.arange(_BLOCK, dtype=jnp.int32), 0), axis=1)
+    filled = jnp.arange(capacity) < selected
+    indices = jnp.where(filled, base + column, start)  # start: now the entry count n
+    values = jnp.where(filled, value, jnp.zeros((), dtype)).astype(dtype)
+    return Payload(values, indices.astype(jnp.int32), jnp.minimum(selected, capacity), selected)
+
+
+def _by_words(vectors, threshold, capacity: int, inclusive: bool, dtype) -> Payload:
+    """The payload from bitmask words, for XLA:CPU (the module's docstring)."""
+    sizes = [v.shape[0] for v in vectors]
+    n = sum(sizes)
     words, word_sizes, after = [], [], None
     for v in vectors:
         if v.shape[0]:
@@ -403,6 +510,25 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
     instead of a sort: every entry above the k-th magnitude ``t``, and the
     first of those equal to ``t``, merged in index order.
     """
+    return passes.by_platform(lambda: _top_by_merge(vectors, k), lambda: _top_by_blocks(vectors, k))
+
+
+def kth_and_ties(vectors: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
+    """The k-th largest magnitude ``t`` and how many entries equal to it the top-``k`` takes."""
+    t = kth_magnitude(vectors, k)
+    return t, k - passes.count_above(vectors, t)
+
+
+def _top_by_blocks(vectors, k: int) -> tuple[Payload, jax.Array]:
+    """:func:`top_by_count`'s payload in one compaction with ties (GPU and TPU)."""
+    t, ties = kth_and_ties(vectors, k)
+    payload = select_above(vectors, t, k, ties=ties)
+    count = jnp.minimum(payload.selected, k)  # k, from data (it varies like the rest)
+    return payload._replace(count=count, selected=count), t
+
+
+def _top_by_merge(vectors, k: int) -> tuple[Payload, jax.Array]:
+    """:func:`top_by_count`'s payload from two selections merged (XLA:CPU)."""
     t = kth_magnitude(vectors, k)
     above = select_above(vectors, t, k)  # fewer than k: all of them
     at_least = select_above(vectors, t, k, inclusive=True)  # its first k, in index order

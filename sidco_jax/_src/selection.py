@@ -72,7 +72,7 @@ def fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     untaken branch still reserved three gradient sizes of memory.
     """
     payload = chosen.payload
-    if payload is None or chosen.shared:
+    if payload is None or chosen.shared or chosen.filled:
         return chosen
     capacity = payload.values.shape[0]
     starved = (payload.selected == 0) & (abs_sum > 0)

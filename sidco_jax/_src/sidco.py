@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from sidco_jax._src import control as control_lib
+from sidco_jax._src import passes, thresholds
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src import thresholds
 from sidco_jax._src.base import (
     ADAPTATIONS,
     SLOT_BYTES,
@@ -35,6 +35,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.options import LoopOptions, takes_loop_options
+from sidco_jax._src.selection import fill_if_starved
 
 STARTING_STAGES = (
     "is where an adaptation starts, read by init only, so an injected value would change "
@@ -109,23 +110,50 @@ def rule(
             return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
         # Whenever 1 to FILL_WIDE x the capacity pass a threshold, the largest of
         # them are the exact top-capacity. Under error feedback the last step's
-        # threshold often still passes that many (three steps in four on the
-        # LSTM at 0.001): then neither the fit nor the bracket runs. Otherwise the
-        # fit, and around it the highest threshold that fills the payload.
+        # threshold often still passes that many: then neither the fit nor the
+        # bracket runs. Otherwise the fit, and around it the highest threshold
+        # that fills the payload. A step that selects nothing, though there is
+        # something to send, takes the exact top-capacity instead.
         width = min(control_lib.FILL_WIDE * cap, n)
 
         def refit():
-            eta = control_lib.bracket(vectors, fitted(), cap)
+            eta, count = control_lib.bracket(vectors, fitted(), cap)
             # Carried as float32, as the threshold in hand (float64 under x64 input).
-            return payload_lib.select_above(vectors, eta, width), eta.astype(jnp.float32)
+            return eta.astype(jnp.float32), count
 
-        if carry:
-            wide = payload_lib.select_above(vectors, state.previous, width)
-            in_hand = (state.previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
-            wide, eta = cond_on_device(in_hand, lambda: (wide, state.previous), refit)
-        else:
-            wide, eta = refit()
-        return Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
+        def by_words():  # XLA:CPU: the carried threshold's count comes with its payload
+            def refit_wide():
+                eta, _ = refit()
+                return payload_lib.select_above(vectors, eta, width), eta
+
+            if carry:
+                wide = payload_lib.select_above(vectors, state.previous, width)
+                in_hand = (state.previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
+                wide, eta = cond_on_device(in_hand, lambda: (wide, state.previous), refit_wide)
+            else:
+                wide, eta = refit_wide()
+            chosen = Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
+            chosen = fill_if_starved(chosen, vectors, jnp.sum(abs_sums))
+            return chosen.payload, chosen.threshold
+
+        def by_blocks():  # GPU, TPU: the threshold first, then one payload
+            if carry:
+                held = passes.count_above(vectors, state.previous)
+                in_hand = (state.previous > 0) & (held >= cap) & (held <= width)
+                eta, count = cond_on_device(in_hand, lambda: (state.previous, held), refit)
+            else:
+                eta, count = refit()
+            starved = (count == 0) & (jnp.sum(abs_sums) > 0)
+            eta, ties = cond_on_device(
+                starved,
+                lambda: payload_lib.kth_and_ties(vectors, cap),
+                lambda: (eta, jnp.zeros((), jnp.int32)),
+            )
+            wide = payload_lib.select_above(vectors, eta, width, ties=ties)
+            return payload_lib.strongest(wide, cap), eta
+
+        payload, eta = passes.by_platform(by_words, by_blocks)
+        return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
         if adaptation is None:
