@@ -2,6 +2,7 @@
 
 import functools
 import math
+import os
 import re
 
 import chex
@@ -322,3 +323,15 @@ def sorted_sizes(jaxpr) -> list[int]:
         for eqn in equations(jaxpr)
         if eqn.primitive.name in ("top_k", "sort")
     ]
+
+
+def require_libtpu() -> None:
+    """Skips a test that compiles for a TPU topology where libtpu is not installed,
+    except under CI, which installs it (``.[tpu-compile]``): there its absence fails."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        message = "libtpu is not installed: no TPU topology to compile for"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"{message} (CI installs it: .[tpu-compile])")
+        pytest.skip(message)

@@ -2,16 +2,19 @@
 
 Payloads have two formulations chosen as the program is lowered: bitmask words
 on XLA:CPU and dense per-block kernels elsewhere. Here the accelerators' one
-runs on the CPU (``passes.formulation``) against the CPU's.
+runs on the CPU (``passes.formulation``) against the CPU's, and libtpu
+compiles SIDCo's update for a TPU topology, with no TPU, to hold its kernel
+count.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import require_libtpu
 
 import sidco_jax as sidco
-from sidco_jax._src import passes
+from sidco_jax._src import control, passes
 from sidco_jax._src import payload as payload_lib
 
 
@@ -71,3 +74,36 @@ def test_top_by_count_is_the_same_in_both_formulations(rng, sizes, k):
     want = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
     np.testing.assert_array_equal(np.asarray(got["blocks"][0].indices), want)
 
+
+def test_kernels_counts_a_conditional_by_its_branches_and_a_loop_once():
+    def f(x, p):
+        def busy():  # separate kernels: each reduction waits on the last through a barrier
+            y = x
+            for _ in range(4):
+                y = jax.lax.optimization_barrier(y + jnp.sum(y))
+            return y
+
+        y = jax.lax.cond(p, busy, lambda: x)
+        return jax.lax.fori_loop(0, jnp.sum(y > 0), lambda i, z: z * 2.0 + jnp.max(z), y)
+
+    compiled = jax.jit(f).lower(jnp.zeros(1000), True).compile()
+    found = sidco.hlo.kernels(compiled)
+    assert found.loops == 1 and found.sorts == 0
+    assert found.longest >= found.cheapest + 4  # the busy branch's reductions
+
+
+# SIDCo-E's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
+# TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most.
+SIDCO_E_KERNELS = 150
+
+
+@pytest.mark.slow
+def test_sidco_es_tpu_program_stays_within_its_kernel_bound():
+    require_libtpu()
+    from benchmarks import accelerator
+
+    got = accelerator.row("sidco-e", "leaf", 0.001, accelerator.tpu_mesh())
+    assert got["longest"] <= SIDCO_E_KERNELS, got
+    capacity = sidco.capacity(2**22, 0.001)
+    # No sort of the gradient: the widest sorts the payload's candidates.
+    assert got["largest_sort"] <= control.FILL_WIDE * capacity, got

@@ -6,14 +6,12 @@ leaves into a few flat buckets and keeps the residual so. Both order the
 entries alike, so they must agree on every update, residual and figure.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import AXIS, DEVICES, mesh_of, per_device_step, quick_first
+from harness import AXIS, DEVICES, mesh_of, per_device_step, quick_first, require_libtpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -207,13 +205,7 @@ def tpu_topology_mesh(monkeypatch, axis: str) -> jax.sharding.Mesh:
 
     Skipped where libtpu is not installed, except under CI, where it must be.
     """
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        message = "libtpu is not installed: no TPU topology to compile for"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            pytest.fail(f"{message} (CI installs it: the TPU layout test must run there)")
-        pytest.skip(message)
+    require_libtpu()
     from jax.experimental import topologies
 
     # Compiling needs no TPU, so no claim on one: another process of the machine

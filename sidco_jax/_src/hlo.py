@@ -15,7 +15,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 # "%name = <result type> <kind>(", the result type being an array or a tuple of arrays.
-_OP = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(" + "|".join(KINDS) + r")\(")
+_OP = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _COMMENT = re.compile(r"/\*.*?\*/")  # long tuples carry /*index=5*/ markers
@@ -52,9 +52,10 @@ def collectives(compiled: Any) -> list[Collective]:
       compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
 
     Returns:
-      One :class:`Collective` per synchronous collective op, in program
-      order (what XLA's CPU backend emits; asynchronous ``-start``/``-done``
-      pairs, as on GPU, are not read).
+      One :class:`Collective` per collective op, in program order; an
+      asynchronous ``-start``/``-done`` pair (GPU, TPU) once, read from its
+      ``-start`` (whose result tuple holds the operand and the result: the
+      result's bytes are the last array's).
 
     Examples:
       >>> import jax, jax.numpy as jnp, sidco_jax as sidco
@@ -70,9 +71,12 @@ def collectives(compiled: Any) -> list[Collective]:
         match = _OP.search(line)
         if match is None:
             continue
-        result_type, kind = match.groups()
+        result_type, kind, start = match.groups()
         groups = _GROUPS.search(line)
         size = len(groups.group(1).split(",")) if groups and groups.group(1) else 1
+        arrays = _ARRAY.findall(result_type)
+        if start and kind != "all-reduce" and len(arrays) > 1:  # (operand, result, ...)
+            result_type = "{}[{}]".format(*arrays[1])
         result = _bytes(result_type)
         operand = {"all-gather": result // size, "reduce-scatter": result * size}.get(kind, result)
         found.append(Collective(kind, operand, result, size))
@@ -103,3 +107,125 @@ def launches(compiled: Any) -> dict[str, int]:
         if match:
             counts[match.group(1)] += 1
     return counts
+
+
+# Ops that launch nothing: values already in place, views, and the second half
+# of an asynchronous pair (its ``-start`` is the launch).
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "iota",
+}
+# Custom calls that annotate the program for the compiler and run nothing.
+ANNOTATIONS = ("AssumeGatherIndicesInBound", "ConcatBitcast", "Sharding", "SPMDFullToShardShape")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_CALLED = re.compile(r"(body|condition|to_apply|calls)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations=\{|true_computation=|false_computation=)([^}]*)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+class Kernels(NamedTuple):
+    """The kernels a compiled program runs, counted along its paths.
+
+    A while loop counts its body and condition once; a conditional counts its
+    largest branch on the longest path and its smallest on the cheapest.
+
+    Attributes:
+      longest: kernels on the longest path.
+      cheapest: kernels on the cheapest path.
+      sorts: sort ops anywhere in the program.
+      loops: while loops anywhere in the program.
+      largest_sort: entries of the widest sort's first operand (0 without one).
+    """
+
+    longest: int
+    cheapest: int
+    sorts: int
+    loops: int
+    largest_sort: int
+
+
+def _computations(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
+    """``{name: [(result type, op, rest of line)]}`` and the entry computation's name."""
+    found, entry, current = {}, None, None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = found.setdefault(header.group(2), [])
+            if header.group(1):
+                entry = header.group(2)
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            match = _INSTRUCTION.match(_COMMENT.sub("", line.split(", metadata=")[0]))
+            if match:
+                current.append(match.groups())
+    return found, entry
+
+
+def _is_kernel(result_type: str, op: str, rest: str) -> bool:
+    """Whether one instruction runs as a kernel of its own."""
+    if op in _FREE or op.endswith("-done") or op in ("while", "conditional", "call"):
+        return False
+    if op == "custom-call":
+        target = _TARGET.search(rest)
+        return not (target and target.group(1) in ANNOTATIONS)
+    if op in ("fusion", "sort", "copy", "copy-start") or op.startswith(KINDS):
+        return True
+    # Unfused glue on scalars (the TPU's scalar unit, folded into launches on a GPU).
+    return any(dims for _, dims in _ARRAY.findall(result_type))
+
+
+def kernels(compiled: Any) -> Kernels:
+    """Counts the kernels of an optimized HLO module (CPU, GPU or TPU) along its paths.
+
+    Fusions, sorts, copies, collectives (an asynchronous ``-start``/``-done``
+    pair once), custom calls other than the compiler's annotations, and any
+    other unfused op on arrays count one each; a fusion's inside does not.
+
+    Args:
+      compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
+
+    Returns:
+      A :class:`Kernels`.
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    computations, entry = _computations(text)
+    memo: dict[tuple[str, bool], int] = {}
+
+    def count(name: str, longest: bool) -> int:
+        if (name, longest) in memo:
+            return memo[name, longest]
+        total = 0
+        for result_type, op, rest in computations.get(name, []):
+            if op == "conditional":
+                names = [
+                    n.strip().lstrip("%") for n in ",".join(_BRANCHES.findall(rest)).split(",")
+                ]
+                sizes = [count(n, longest) for n in names if n]
+                total += (max if longest else min)(sizes) if sizes else 0
+            elif op in ("while", "call"):
+                total += sum(count(c, longest) for _, c in _CALLED.findall(rest))
+            else:
+                total += _is_kernel(result_type, op, rest)
+        memo[name, longest] = total
+        return total
+
+    ops = [(t, op, rest) for body in computations.values() for t, op, rest in body]
+    sorts = [_ARRAY.search(t) for t, op, _ in ops if op == "sort"]
+    widest = max(
+        (math.prod(int(d) for d in m.group(2).split(",") if d) for m in sorts if m), default=0
+    )
+    loops = sum(op == "while" for _, op, _ in ops)
+    return Kernels(count(entry, True), count(entry, False), len(sorts), loops, widest)

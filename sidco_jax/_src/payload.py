@@ -22,6 +22,11 @@ every step is a dense vector operation that maps to GPU and TPU as well.
 Entries past the capacity are not sent and are reported as overflow, so an
 error-feedback residual keeps them. Formulations tried and their timings are
 in ``docs/design.md``.
+
+That is XLA:CPU's formulation. On GPU and TPU its binary searches and bit
+tricks become hundreds of small kernels, so there a payload is formed from
+per-block counts in a few dense kernels instead (:func:`_by_blocks`), chosen
+as the program is lowered; both give the same payload.
 """
 
 import functools
