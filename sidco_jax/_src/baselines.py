@@ -63,14 +63,19 @@ def topk(
       Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
     """
     ratio = check_ratio(static("ratio", ratio))
+    return sparsifier(_largest(ratio, lax.top_k), ratio=ratio, **options)
+
+
+def _largest(ratio: float, top_k: payload_lib.TopK) -> Rule:
+    """The rule sending the ``k`` entries ``top_k`` picks (top-k and approximate top-k)."""
 
     def select(vectors, abs_sums, state, key):
         del abs_sums, state, key
         k = _k(passes.size(vectors), ratio)
-        payload, kth = payload_lib.largest(vectors, k, k, k)
+        payload, kth = payload_lib.largest(vectors, k, k, k, top_k=top_k)
         return Selection(payload, kth, k * SLOT_BYTES)
 
-    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+    return Rule(empty_init, select)
 
 
 @takes_loop_options
@@ -120,14 +125,7 @@ def approxk(
     recall_target = static("recall_target", recall_target, why)
     recall_target = check_number("recall_target", recall_target, 0.0, 1.0, open_low=True)
     top_k = functools.partial(lax.approx_max_k, recall_target=recall_target)
-
-    def select(vectors, abs_sums, state, key):
-        del abs_sums, state, key
-        k = _k(passes.size(vectors), ratio)
-        payload, kth = payload_lib.largest(vectors, k, k, k, top_k=top_k)
-        return Selection(payload, kth, k * SLOT_BYTES)
-
-    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+    return sparsifier(_largest(ratio, top_k), ratio=ratio, **options)
 
 
 @takes_loop_options
