@@ -274,8 +274,18 @@ def counts_above(xs: Operands, thresholds: jax.Array, after=None) -> jax.Array:
         del zero
         return tuple((jnp.abs(v) > t).astype(jnp.int32) for t in ts)
 
-    ts = [thresholds[i] for i in range(thresholds.shape[0])]
-    return jnp.stack(_row_sums(xs, elementwise, ts, after, width=32))
+    def ordered():
+        ts = [thresholds[i] for i in range(thresholds.shape[0])]
+        return jnp.stack(_row_sums(xs, elementwise, ts, after, width=32))
+
+    def plain():  # every count in one reduction per operand
+        counts = [
+            jnp.sum(jnp.abs(jnp.ravel(x))[:, None] > thresholds, axis=0, dtype=jnp.int32)
+            for x in as_list(xs)
+        ]
+        return sum(counts[1:], counts[0])
+
+    return by_platform(ordered, plain)
 
 
 def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:

@@ -409,19 +409,24 @@ def strongest(payload: Payload, capacity: int) -> Payload:
     Work on the payload's slots only, nothing of size ``n``: a selection that
     overflows keeps its largest entries rather than its first ones in index
     order, ties going to the lower index. On XLA's CPU backend they are found
-    by counting (:func:`top_by_count`), which took 0.44x the time of
-    ``lax.top_k`` for 11,201 of 44,804 slots; elsewhere by ``lax.top_k``.
+    by counting (:func:`top_by_count`, faster there than ``lax.top_k``:
+    docs/design.md); elsewhere by ``lax.top_k``.
     """
     magnitudes = jnp.abs(payload.values)
-    pick = lax.platform_dependent(
-        cpu=lambda: top_by_count([magnitudes], capacity)[0].indices,
-        default=lambda: lax.top_k(magnitudes, capacity)[1],
-    )
-    # The picked slots in slot order, so the index order holds (top_k's is by magnitude).
-    picked = jnp.zeros(magnitudes.shape, jnp.int32).at[pick].set(1)
-    at = jnp.where(picked > 0, _cumsum(picked, 1) - 1, capacity)
-    values = jnp.zeros(capacity, payload.values.dtype).at[at].set(payload.values, mode="drop")
-    indices = jnp.zeros(capacity, jnp.int32).at[at].set(payload.indices, mode="drop")
+
+    def by_count():  # XLA:CPU
+        pick = top_by_count([magnitudes], capacity)[0].indices
+        # The picked slots in slot order, so the index order holds.
+        picked = jnp.zeros(magnitudes.shape, jnp.int32).at[pick].set(1)
+        at = jnp.where(picked > 0, _cumsum(picked, 1) - 1, capacity)
+        values = jnp.zeros(capacity, payload.values.dtype).at[at].set(payload.values, mode="drop")
+        return values, jnp.zeros(capacity, jnp.int32).at[at].set(payload.indices, mode="drop")
+
+    def by_sort():  # GPU, TPU: top_k's slots sorted back into slot order, then read
+        pick = jnp.sort(lax.top_k(magnitudes, capacity)[1])
+        return payload.values[pick], payload.indices[pick]
+
+    values, indices = passes.by_platform(by_count, by_sort)
     selected = jnp.asarray(payload.selected, jnp.int32)
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
