@@ -183,8 +183,12 @@ def _is_kernel(result_type: str, op: str, rest: str) -> bool:
         return not (target and target.group(1) in ANNOTATIONS)
     if op in ("fusion", "sort", "copy", "copy-start") or op.startswith(KINDS):
         return True
-    # Unfused glue on scalars (the TPU's scalar unit, folded into launches on a GPU).
-    return any(dims for _, dims in _ARRAY.findall(result_type))
+    # Unfused glue on scalars and one-entry arrays (a TPU's scalar unit, folded into
+    # launches on a GPU) is not a kernel.
+    return any(
+        math.prod(int(d) for d in dims.split(",") if d) > 1
+        for _, dims in _ARRAY.findall(result_type)
+    )
 
 
 def kernels(compiled: Any) -> Kernels:
