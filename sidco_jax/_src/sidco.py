@@ -108,51 +108,8 @@ def rule(
         if adaptation != "fill":
             eta = fitted()
             return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
-        # Whenever 1 to FILL_WIDE x the capacity pass a threshold, the largest of
-        # them are the exact top-capacity. Under error feedback the last step's
-        # threshold often still passes that many: then neither the fit nor the
-        # bracket runs. Otherwise the fit, and around it the highest threshold
-        # that fills the payload. A step that selects nothing, though there is
-        # something to send, takes the exact top-capacity instead.
-        width = min(control_lib.FILL_WIDE * cap, n)
-
-        def refit():
-            eta, count = control_lib.bracket(vectors, fitted(), cap)
-            # Carried as float32, as the threshold in hand (float64 under x64 input).
-            return eta.astype(jnp.float32), count
-
-        def by_words():  # XLA:CPU: the carried threshold's count comes with its payload
-            def refit_wide():
-                eta, _ = refit()
-                return payload_lib.select_above(vectors, eta, width), eta
-
-            if carry:
-                wide = payload_lib.select_above(vectors, state.previous, width)
-                in_hand = (state.previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
-                wide, eta = cond_on_device(in_hand, lambda: (wide, state.previous), refit_wide)
-            else:
-                wide, eta = refit_wide()
-            chosen = Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
-            chosen = fill_if_starved(chosen, vectors, jnp.sum(abs_sums))
-            return chosen.payload, chosen.threshold
-
-        def by_blocks():  # GPU, TPU: the threshold first, then one payload
-            if carry:
-                held = passes.count_above(vectors, state.previous)
-                in_hand = (state.previous > 0) & (held >= cap) & (held <= width)
-                eta, count = cond_on_device(in_hand, lambda: (state.previous, held), refit)
-            else:
-                eta, count = refit()
-            starved = (count == 0) & (jnp.sum(abs_sums) > 0)
-            eta, ties = cond_on_device(
-                starved,
-                lambda: payload_lib.kth_and_ties(vectors, cap),
-                lambda: (eta, jnp.zeros((), jnp.int32)),
-            )
-            wide = payload_lib.select_above(vectors, eta, width, ties=ties)
-            return payload_lib.strongest(wide, cap), eta
-
-        payload, eta = passes.by_platform(by_words, by_blocks)
+        previous = state.previous if carry else None
+        payload, eta = _fill(vectors, jnp.sum(abs_sums), fitted, previous, cap)
         return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
 
     def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
@@ -179,6 +136,58 @@ def rule(
         return SidcoState(new_stages, control, scale, previous)
 
     return Rule(init, select, observe)
+
+
+def _fill(vectors, abs_sum, fitted, previous, cap: int):
+    """``adaptation="fill"``'s payload of ``cap`` slots and its threshold.
+
+    Whenever 1 to FILL_WIDE x the capacity pass a threshold, the largest of
+    them are the exact top-capacity. Under error feedback the last step's
+    threshold (``previous``; None where none is carried) often still passes
+    that many: then neither the ``fitted()`` threshold nor the bracket runs.
+    Otherwise the fit, and around it the highest threshold that fills the
+    payload. A step that selects nothing, though there is something to send,
+    takes the exact top-capacity instead.
+    """
+    n = sum(v.shape[0] for v in vectors)
+    width = min(control_lib.FILL_WIDE * cap, n)
+
+    def refit():
+        eta, count = control_lib.bracket(vectors, fitted(), cap)
+        # Carried as float32, as the threshold in hand (float64 under x64 input).
+        return eta.astype(jnp.float32), count
+
+    def by_words():  # XLA:CPU: the carried threshold's count comes with its payload
+        def refit_wide():
+            eta, _ = refit()
+            return payload_lib.select_above(vectors, eta, width), eta
+
+        if previous is None:
+            wide, eta = refit_wide()
+        else:
+            wide = payload_lib.select_above(vectors, previous, width)
+            in_hand = (previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
+            wide, eta = cond_on_device(in_hand, lambda: (wide, previous), refit_wide)
+        chosen = Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
+        chosen = fill_if_starved(chosen, vectors, abs_sum)
+        return chosen.payload, chosen.threshold
+
+    def by_blocks():  # GPU, TPU: the threshold first, then one payload
+        if previous is None:
+            eta, count = refit()
+        else:
+            held = passes.count_above(vectors, previous)
+            in_hand = (previous > 0) & (held >= cap) & (held <= width)
+            eta, count = cond_on_device(in_hand, lambda: (previous, held), refit)
+        eta, ties = cond_on_device(
+            (count == 0) & (abs_sum > 0),
+            lambda: payload_lib.kth_and_ties(vectors, cap),
+            lambda: (eta, jnp.zeros((), jnp.int32)),
+        )
+        wide = payload_lib.select_above(vectors, eta, width, ties=ties)
+        return payload_lib.strongest(wide, cap), eta
+
+    return passes.by_platform(by_words, by_blocks)
 
 
 @takes_loop_options
