@@ -47,6 +47,17 @@ def tpu_mesh():
     return topologies.make_mesh(topology, (CHIPS,), ("data",))
 
 
+def two_slices_mesh():
+    """A (slice, chip) mesh of two v5e:2x2 slices, joined by the data-center network."""
+    from jax.experimental import mesh_utils, topologies
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGY, num_slices=2)
+    # Each slice's chips along "chip", the slices along "slice" (the slow axis).
+    devices = mesh_utils.create_hybrid_device_mesh((1, CHIPS), (2, 1), devices=topology.devices)
+    return jax.sharding.Mesh(devices, ("slice", "chip"))
+
+
 def compile_update(method: str, shapes, ratio: float, mesh):
     """The compiled ``shard_map``ped update of ``method`` over ``mesh``, and its seconds."""
     tx = compressor(method, ratio, axis_name="data", layout="buckets")

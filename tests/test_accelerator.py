@@ -107,3 +107,43 @@ def test_sidco_es_tpu_program_stays_within_its_kernel_bound():
     capacity = sidco.capacity(2**22, 0.001)
     # No sort of the gradient: the widest sorts the payload's candidates.
     assert got["largest_sort"] <= control.FILL_WIDE * capacity, got
+
+
+@pytest.mark.slow
+def test_only_the_compressed_message_crosses_tpu_slices():
+    # Two v5e:2x2 slices: each chip compresses its quarter of the slice's mean
+    # (inner_shards) and only that message crosses the data-center network.
+    require_libtpu()
+    from benchmarks import accelerator
+
+    mesh, n, both = accelerator.two_slices_mesh(), 2**16, ("slice", "chip")
+    tx = sidco.compress(
+        0.01, axis_name="slice", inner_axis="chip", inner_shards=4, indices="chunked"
+    )
+    params = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P()))
+    state = jax.eval_shape(tx.init, params)
+    specs = sidco.parallel.state_specs(state, both)
+
+    def placed(x, spec):
+        shape = x.shape if spec == jax.P() else (8 * x.shape[0], *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=jax.NamedSharding(mesh, spec))
+
+    grads = jax.ShapeDtypeStruct((8, n), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P(both)))
+    step = jax.jit(
+        jax.shard_map(
+            lambda s, g: tx.update(g[0], s),
+            mesh=mesh,
+            in_specs=(specs, jax.P(both)),
+            out_specs=(jax.P(), specs),
+        )
+    )
+    compiled = step.trace(jax.tree.map(placed, state, specs), grads).lower().compile()
+    across = [c for c in sidco.hlo.collectives(compiled) if c.between_slices]
+    capacity = sidco.capacity(n // 4, 0.01)
+    gathers = [c.operand_bytes for c in across if c.kind == "all-gather"]
+    assert gathers == [2 * capacity]  # the payload's 2-byte offsets, as the codec has them
+    # Nothing dense: a chip's slice is n // 4 floats (64 KiB); what crosses is the message
+    # (its values gathered as an all-reduce of both slices' rows) and the agreed figures.
+    assert all(c.operand_bytes <= 4096 for c in across), [tuple(c) for c in across]
+    message = sidco.costs.message_bytes("sparse", n // 4, capacity, 2, "float32", "chunked")
+    assert sum(c.operand_bytes for c in across) >= message

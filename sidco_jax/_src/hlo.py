@@ -28,13 +28,17 @@ class Collective(NamedTuple):
       kind: the HLO op (``"all-gather"``, ``"all-reduce"``, ...).
       operand_bytes: bytes one device contributes.
       result_bytes: bytes one device receives as the result.
-      group_size: devices taking part.
+      group_size: devices taking part (0 where the program does not say:
+        a transfer between TPU slices).
+      between_slices: whether it crosses the data-center network between TPU
+        slices (a multi-slice program sends those as host transfers).
     """
 
     kind: str
     operand_bytes: int
     result_bytes: int
     group_size: int
+    between_slices: bool = False
 
 
 def _bytes(result_type: str) -> int:
@@ -80,7 +84,30 @@ def collectives(compiled: Any) -> list[Collective]:
         result = _bytes(result_type)
         operand = {"all-gather": result // size, "reduce-scatter": result * size}.get(kind, result)
         found.append(Collective(kind, operand, result, size))
-    return found
+    return found + _between_slices(text)
+
+
+# Multi-slice TPU programs send what crosses slices through the runtime: a send and a
+# recv per collective, named by a rendezvous and tagged with the collective's kind.
+_TRANSFER = re.compile(r"=\s*\(([a-z0-9]+\[[0-9,]*\])[^=]*?\s(send|recv)\(")
+_TAG = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)".*_xla_megascale_transfer_type="(\w+)"')
+
+
+def _between_slices(text: str) -> list[Collective]:
+    """The collectives of a multi-slice TPU program that cross slices, from its sends and
+    recvs (the data each device sends, and what it gets back)."""
+    sent, got, kinds = {}, {}, {}
+    for line in text.splitlines():
+        transfer, tag = _TRANSFER.search(line), _TAG.search(line)
+        if transfer is None or tag is None:
+            continue
+        array, op = transfer.groups()
+        rendezvous, kind = tag.groups()
+        kinds[rendezvous] = kind.lower().replace("_", "-")
+        (sent if op == "send" else got)[rendezvous] = _bytes(array)
+    return [
+        Collective(kinds[r], sent[r], got.get(r, 0), 0, between_slices=True) for r in sorted(sent)
+    ]
 
 
 _LAUNCH = re.compile(r"^\s*%?\S+\s*=\s*.*?\s(fusion|while|sort|custom-call)\(")
