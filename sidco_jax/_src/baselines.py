@@ -66,6 +66,12 @@ def topk(
     return sparsifier(_largest(ratio, lax.top_k), ratio=ratio, **options)
 
 
+def _above(vectors, eta, cap: int, abs_sums) -> Selection:
+    """A threshold rule's selection: what passes ``eta``, or the top-``cap`` where nothing does."""
+    payload, eta = payload_lib.select_or_top(vectors, eta, cap, jnp.sum(abs_sums))
+    return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
+
+
 def _largest(ratio: float, top_k: payload_lib.TopK) -> Rule:
     """The rule sending the ``k`` entries ``top_k`` picks (top-k and approximate top-k)."""
 
@@ -160,7 +166,7 @@ def dgc(
     sample_ratio = check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
 
     def select(vectors, abs_sums, state, key):
-        del abs_sums, state
+        del state
         n = passes.size(vectors)
         k = _k(n, ratio)
         if k >= n:  # the sample's k-th magnitude would keep entries at or below it
@@ -174,13 +180,13 @@ def dgc(
         selected = passes.count_above(vectors, eta)
 
         def trim(_):
-            return payload_lib.largest(vectors, k, cap, selected)
+            return payload_lib.exact_top(vectors, k, cap, selected)
 
         def keep(_):
-            return payload_lib.select_above(vectors, eta, cap), eta
+            return payload_lib.select_or_top(vectors, eta, cap, jnp.sum(abs_sums))
 
         payload, eta = lax.cond(selected > cap, trim, keep, None)
-        return Selection(payload, eta, cap * SLOT_BYTES)
+        return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
 
     return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
@@ -253,7 +259,7 @@ def redsync(
         lo, _, t, count = lax.while_loop(searching, bisect, start)
         # The last probe if it landed in the window, else the lowest bound known to pass > k.
         eta = threshold_at(jnp.where(in_window(count), t, lo))
-        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+        return _above(vectors, eta, cap, abs_sums)
 
     return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 
@@ -313,7 +319,7 @@ def gaussiank(
             return eta * factor, done | ~(few | many)
 
         eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.zeros_like(eta, bool)))
-        return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+        return _above(vectors, eta, cap, abs_sums)
 
     return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
 

@@ -208,10 +208,10 @@ def _is_kernel(result_type: str, op: str, rest: str) -> bool:
     if op == "custom-call":
         target = _TARGET.search(rest)
         return not (target and target.group(1) in ANNOTATIONS)
-    if op in ("fusion", "sort", "copy", "copy-start") or op.startswith(KINDS):
+    if op in ("fusion", "sort") or op.startswith(KINDS):
         return True
     # Unfused glue on scalars and one-entry arrays (a TPU's scalar unit, folded into
-    # launches on a GPU) is not a kernel.
+    # launches on a GPU), copies of them included, is not a kernel.
     return any(
         math.prod(int(d) for d in dims.split(",") if d) > 1
         for _, dims in _ARRAY.findall(result_type)

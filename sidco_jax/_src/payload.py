@@ -48,6 +48,7 @@ from sidco_jax._src.base import (
     check_integer,
     check_ratio,
     check_scalar,
+    cond_on_device,
     float_vectors,
     static,
 )
@@ -233,14 +234,11 @@ def select_above(
     threshold: jax.Array,
     capacity: int,
     inclusive: bool = False,
-    ties: jax.Array | None = None,
 ) -> Payload:
     """:func:`sparsify` of 1-D float vectors, indexed over their concatenation.
 
-    ``inclusive`` selects ``|x| >= threshold`` instead; ``ties`` (an int32
-    count) selects also the first ``ties`` entries equal to the threshold, in
-    index order (:func:`kth_and_ties`; blocks only). Bitmask words on XLA:CPU,
-    a few dense kernels over blocks elsewhere (:func:`_by_blocks`).
+    ``inclusive`` selects ``|x| >= threshold`` instead. Bitmask words on
+    XLA:CPU, a few dense kernels over blocks elsewhere (:func:`_by_blocks`).
     """
     sizes = [v.shape[0] for v in vectors]
     n = sum(sizes)
@@ -255,12 +253,64 @@ def select_above(
     threshold = jnp.asarray(threshold)  # a float64 one is compared in float64 with float64 x
     threshold = threshold.astype(jnp.promote_types(threshold.dtype, jnp.float32))
     vectors = [v for v in vectors if v.shape[0]]
-    if ties is not None:
-        return _by_blocks(vectors, threshold, capacity, inclusive, dtype, ties)
     return passes.by_platform(
         lambda: _by_words(vectors, threshold, capacity, inclusive, dtype),
-        lambda: _by_blocks(vectors, threshold, capacity, inclusive, dtype),
+        lambda: _by_blocks(vectors, threshold, capacity, inclusive, dtype)[0],
     )
+
+
+def fill_starved(
+    payload: Payload, threshold, vectors, abs_sum, k: int
+) -> tuple[Payload, jax.Array]:
+    """``payload``, or where it selected nothing though ``abs_sum > 0``, the exact top-``k``
+    (:func:`top_by_count`) in its slots; and the threshold that chose it (float32).
+
+    Ties at the threshold (all-equal magnitudes, which error feedback keeps
+    tied) or a threshold over the top would otherwise leave the paid-for
+    payload empty step after step.
+    """
+
+    def top():
+        top, t = top_by_count(vectors, k)
+        return _padded(top, payload.values.shape[0], vectors), t
+
+    starved = (payload.selected == 0) & (abs_sum > 0)
+    return cond_on_device(starved, top, lambda: (payload, jnp.asarray(threshold, jnp.float32)))
+
+
+def _padded(payload: Payload, capacity: int, vectors) -> Payload:
+    """``payload`` in ``capacity`` slots: zeros and the padding index ``n`` after its own."""
+    pad, n = capacity - payload.values.shape[0], sum(v.shape[0] for v in vectors)
+    values = jnp.pad(payload.values, (0, pad))
+    indices = jnp.pad(payload.indices, (0, pad), constant_values=n)
+    return payload._replace(values=values, indices=indices)
+
+
+@in_payload_phase
+def select_or_top(
+    vectors: Sequence[jax.Array], threshold, capacity: int, abs_sum, k: int | None = None
+) -> tuple[Payload, jax.Array]:
+    """:func:`select_above` of float32 ``vectors``, or where nothing passes though
+    ``abs_sum > 0``, their exact top-``k`` (default: ``capacity``) instead.
+
+    The threshold rules' payload (:func:`fill_starved`). On XLA:CPU a second
+    payload replaces the first on such steps; on GPU and TPU the blocks'
+    counts decide before the one payload is formed. Returns the payload and
+    the float32 threshold that chose it.
+    """
+    k = capacity if k is None else k
+    threshold = jnp.asarray(threshold, jnp.float32)
+
+    def by_words():
+        return fill_starved(
+            select_above(vectors, threshold, capacity), threshold, vectors, abs_sum, k
+        )
+
+    def by_blocks():
+        live = [v for v in vectors if v.shape[0]]
+        return _by_blocks(live, threshold, capacity, False, jnp.float32, fill=(abs_sum, k))
+
+    return passes.by_platform(by_words, by_blocks)
 
 
 _BLOCK = 128  # entries per block of _by_blocks (a TPU vector register's lanes)
@@ -282,7 +332,9 @@ def _rank_in(prefix: jax.Array, rank: jax.Array) -> tuple[jax.Array, jax.Array]:
     return at, rank - jnp.max(jnp.where(before, prefix, 0), axis=-1)
 
 
-def _by_blocks(vectors, threshold, capacity: int, inclusive: bool, dtype, ties=None) -> Payload:
+def _by_blocks(
+    vectors, threshold, capacity: int, inclusive: bool, dtype, ties=None, fill=None
+) -> tuple[Payload, jax.Array]:
     """The payload from per-block counts, for GPU and TPU: a few dense kernels, no sort.
 
     One pass counts the selected entries of every block of :data:`_BLOCK`;
@@ -291,19 +343,35 @@ def _by_blocks(vectors, threshold, capacity: int, inclusive: bool, dtype, ties=N
     comparisons), gathers that block's row and finds its entry from the
     row's prefix (a matmul with a triangular matrix, exact on 0/1 values).
     ``ties``: also the first ``ties`` entries equal to the threshold.
+    ``fill``: ``(abs_sum, k)``: where nothing passes the threshold though
+    ``abs_sum > 0``, the exact top-``k`` instead (:func:`select_or_top`),
+    decided from the blocks' counts. Returns the payload and the threshold.
     """
     compare = jnp.greater_equal if inclusive else jnp.greater
-    rows, counts, equal = [], [], []
-    for v in vectors:
-        pad = -v.shape[0] % _BLOCK
-        row = jnp.pad(v, (0, pad), constant_values=jnp.nan).reshape(-1, _BLOCK)  # never chosen
-        t = threshold.astype(v.dtype)
-        rows.append(row)
-        counts.append(jnp.sum(compare(jnp.abs(row), t), 1, jnp.int32))
-        equal.append(jnp.sum(jnp.abs(row) == t, 1, jnp.int32))
-    firsts = np.cumsum([0, *(r.shape[0] for r in rows)])
+    # NaN padding is never chosen.
+    rows = [jnp.pad(v, (0, -v.shape[0] % _BLOCK), constant_values=jnp.nan) for v in vectors]
+    rows = [row.reshape(-1, _BLOCK) for row in rows]
     join = lambda xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
-    counts, blocks = join(counts), int(firsts[-1])
+
+    def count(t):  # per block: entries passing t, and entries equal to it
+        passing = [jnp.sum(compare(jnp.abs(r), t.astype(r.dtype)), 1, jnp.int32) for r in rows]
+        equal = [jnp.sum(jnp.abs(r) == t.astype(r.dtype), 1, jnp.int32) for r in rows]
+        return join(passing), join(equal)
+
+    counts, equal = count(threshold)
+    if fill is not None:
+        abs_sum, k = fill
+
+        def top():
+            t = kth_magnitude(vectors, k).astype(threshold.dtype)
+            counts, equal = count(t)
+            return t, k - jnp.sum(counts), counts, equal
+
+        starved = (jnp.sum(counts) == 0) & (abs_sum > 0)
+        keep = lambda: (threshold, jnp.zeros((), jnp.int32), counts, equal)  # noqa: E731
+        threshold, ties, counts, equal = cond_on_device(starved, top, keep)
+    firsts = np.cumsum([0, *(r.shape[0] for r in rows)])
+    blocks = int(firsts[-1])
     supers = -(-blocks // _SUPER)
 
     def prefixes(counts):  # inclusive, per superblock and over superblocks
@@ -311,7 +379,6 @@ def _by_blocks(vectors, threshold, capacity: int, inclusive: bool, dtype, ties=N
         return within, _prefix(within[:, -1])
 
     if ties is not None:  # each block's share of the ties, in index order
-        equal = join(equal)
         within, upto = prefixes(equal)
         ties_before = (within + (upto - within[:, -1])[:, None]).reshape(-1)[:blocks] - equal
         counts = counts + jnp.clip(ties - ties_before, 0, equal)
@@ -348,7 +415,8 @@ def _by_blocks(vectors, threshold, capacity: int, inclusive: bool, dtype, ties=N
     filled = jnp.arange(capacity) < selected
     indices = jnp.where(filled, base + column, start)  # start: now the entry count n
     values = jnp.where(filled, value, jnp.zeros((), dtype)).astype(dtype)
-    return Payload(values, indices.astype(jnp.int32), jnp.minimum(selected, capacity), selected)
+    payload = Payload(values, indices.astype(jnp.int32), jnp.minimum(selected, capacity), selected)
+    return payload, threshold
 
 
 def _by_words(vectors, threshold, capacity: int, inclusive: bool, dtype) -> Payload:
@@ -433,6 +501,19 @@ def strongest(payload: Payload, capacity: int) -> Payload:
 
 TopK = Callable[[jax.Array, int], Sequence[jax.Array]]
 """``top_k(x, k) -> (values, indices)`` of 1-D ``x``, as ``lax.top_k``."""
+
+
+def exact_top(vectors, k: int, capacity: int, selected) -> tuple[Payload, jax.Array]:
+    """:func:`largest`'s payload and k-th magnitude; on GPU and TPU by counting
+    (:func:`top_by_count`), where ``lax.top_k`` sorts the whole gradient."""
+
+    def by_count():
+        top, t = top_by_count(vectors, k)
+        chosen = jnp.asarray(selected, jnp.int32)
+        top = _padded(top, capacity, vectors)
+        return top._replace(count=jnp.minimum(chosen, k), selected=chosen), t
+
+    return passes.by_platform(lambda: largest(vectors, k, capacity, selected), by_count)
 
 
 @in_payload_phase
@@ -523,16 +604,12 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
     return passes.by_platform(lambda: _top_by_merge(vectors, k), lambda: _top_by_blocks(vectors, k))
 
 
-def kth_and_ties(vectors: Sequence[jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
-    """The k-th largest magnitude ``t`` and how many entries equal to it the top-``k`` takes."""
-    t = kth_magnitude(vectors, k)
-    return t, k - passes.count_above(vectors, t)
-
-
 def _top_by_blocks(vectors, k: int) -> tuple[Payload, jax.Array]:
     """:func:`top_by_count`'s payload in one compaction with ties (GPU and TPU)."""
-    t, ties = kth_and_ties(vectors, k)
-    payload = select_above(vectors, t, k, ties=ties)
+    t = kth_magnitude(vectors, k)
+    live = [v for v in vectors if v.shape[0]]
+    ties = k - passes.count_above(live, t)
+    payload, _ = _by_blocks(live, t, k, False, jnp.result_type(*live), ties)
     count = jnp.minimum(payload.selected, k)  # k, from data (it varies like the rest)
     return payload._replace(count=count, selected=count), t
 

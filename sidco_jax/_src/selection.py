@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, Rule, Selection, cond_on_device
+from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, Rule, Selection
 
 
 class Chosen(NamedTuple):
@@ -75,13 +75,7 @@ def fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     if payload is None or chosen.shared or chosen.filled:
         return chosen
     capacity = payload.values.shape[0]
-    starved = (payload.selected == 0) & (abs_sum > 0)
-
-    payload, eta = cond_on_device(
-        starved,
-        lambda: payload_lib.top_by_count(vectors, capacity),
-        lambda: (payload, jnp.asarray(chosen.threshold, jnp.float32)),
-    )
+    payload, eta = payload_lib.fill_starved(payload, chosen.threshold, vectors, abs_sum, capacity)
     return chosen._replace(payload=payload, threshold=eta)
 
 

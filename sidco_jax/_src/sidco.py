@@ -106,8 +106,8 @@ def rule(
             return eta * jnp.exp(state.scale)
 
         if adaptation != "fill":
-            eta = fitted()
-            return Selection(payload_lib.select_above(vectors, eta, cap), eta, cap * SLOT_BYTES)
+            payload, eta = payload_lib.select_or_top(vectors, fitted(), cap, jnp.sum(abs_sums))
+            return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
         previous = state.previous if carry else None
         payload, eta = _fill(vectors, jnp.sum(abs_sums), fitted, previous, cap)
         return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
@@ -179,12 +179,8 @@ def _fill(vectors, abs_sum, fitted, previous, cap: int):
             held = passes.count_above(vectors, previous)
             in_hand = (previous > 0) & (held >= cap) & (held <= width)
             eta, count = cond_on_device(in_hand, lambda: (previous, held), refit)
-        eta, ties = cond_on_device(
-            (count == 0) & (abs_sum > 0),
-            lambda: payload_lib.kth_and_ties(vectors, cap),
-            lambda: (eta, jnp.zeros((), jnp.int32)),
-        )
-        wide = payload_lib.select_above(vectors, eta, width, ties=ties)
+        del count  # the payload's own counts tell a starved step
+        wide, eta = payload_lib.select_or_top(vectors, eta, width, abs_sum, k=cap)
         return payload_lib.strongest(wide, cap), eta
 
     return passes.by_platform(by_words, by_blocks)
