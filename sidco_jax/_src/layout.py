@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src.base import check_choice, check_integer, is_float, static
+from sidco_jax._src.base import check_choice, check_integer, is_float, platform_of, static
 from sidco_jax._src.slices import Slices
 
 Layout = Literal["auto", "tree", "buckets"]
@@ -88,42 +88,6 @@ def resolve(layout: str, arrays) -> str:
     if layout != "auto":
         return layout
     return "tree" if platform_of(arrays) == "cpu" else "buckets"
-
-
-def platform_of(tree) -> str:
-    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) the arrays of ``tree`` are for.
-
-    Not simply ``jax.default_backend()``: a program may be built for other
-    devices than the host's default ones (a TPU program compiled on a CPU host
-    from a ``jax.experimental.topologies`` mesh, with libtpu and no TPU; arrays
-    placed on a GPU by a process whose default is the CPU). So, in order: the
-    devices of the first leaf that names them through its sharding (a
-    concrete array, a ``jax.ShapeDtypeStruct`` with a sharding, or a tracer
-    whose type carries a mesh: an input of ``jax.shard_map``, or a sharded
-    input of ``jax.jit``); the abstract mesh in context (``jax.shard_map``,
-    ``jax.set_mesh``); and only then the default backend.
-    """
-    for leaf in jax.tree.leaves(tree):
-        platform = _leaf_platform(leaf)
-        if platform is not None:
-            return platform
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return jax.default_backend() if device is None else device.platform
-
-
-def _leaf_platform(leaf) -> str | None:
-    """The platform ``leaf``'s sharding names, or None (no sharding, or a mesh without devices)."""
-    if isinstance(leaf, jax.core.Tracer):
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-    else:
-        sharding = getattr(leaf, "sharding", None)  # arrays and shape structs
-    if sharding is None:
-        return None
-    mesh = getattr(sharding, "mesh", None)
-    if isinstance(mesh, jax.sharding.AbstractMesh):  # a tracer's type, or an abstract struct
-        device = mesh.abstract_device
-        return None if device is None else device.platform
-    return next(iter(sharding.device_set)).platform
 
 
 def residual_dtype(leaf) -> np.dtype:

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sidco_jax._src.base import platform_of
+
 Term = Callable[..., jax.Array]
 Operands = jax.Array | Sequence[Any]
 
@@ -47,11 +49,17 @@ def formulation(name: str):
         _FORMULATION = saved
 
 
-def by_platform(cpu, default):
-    """``cpu()`` on XLA:CPU, ``default()`` on GPU and TPU, as the program is lowered."""
+def by_platform(cpu, default, like):
+    """``cpu()`` for XLA:CPU, ``default()`` for GPU and TPU, by the platform the arrays
+    ``like`` are for (:func:`~sidco_jax._src.base.platform_of`).
+
+    Decided at trace time, so only one formulation is traced: a TPU program
+    traced on a CPU host under a TPU mesh (or from TPU-sharded inputs) gets
+    the TPU's.
+    """
     if _FORMULATION is not None:
         return (cpu if _FORMULATION == "words" else default)()
-    return lax.platform_dependent(cpu=cpu, default=default)
+    return (cpu if platform_of(like) == "cpu" else default)()
 
 
 def as_list(xs: Operands) -> list:
@@ -101,7 +109,7 @@ def reduce_parts(
         zero = jnp.zeros((), jnp.float32)
         return [op(term(x, zero, *scalars).astype(jnp.float32)) for x in as_list(xs)]
 
-    return by_platform(ordered, plain)
+    return by_platform(ordered, plain, like=xs)
 
 
 def reduce_each(
@@ -197,6 +205,7 @@ def _row_sums(
     return by_platform(
         lambda: _row_sums_ordered(xs, elementwise, scalars, after, width),
         lambda: _sums(xs, elementwise, scalars),
+        like=xs,
     )
 
 
@@ -285,7 +294,7 @@ def counts_above(xs: Operands, thresholds: jax.Array, after=None) -> jax.Array:
         ]
         return sum(counts[1:], counts[0])
 
-    return by_platform(ordered, plain)
+    return by_platform(ordered, plain, like=xs)
 
 
 def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:
@@ -305,4 +314,4 @@ def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:
             jnp.zeros((), jnp.int32),
         )
 
-    return by_platform(by_words, plain)
+    return by_platform(by_words, plain, like=xs)

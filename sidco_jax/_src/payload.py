@@ -256,6 +256,7 @@ def select_above(
     return passes.by_platform(
         lambda: _by_words(vectors, threshold, capacity, inclusive, dtype),
         lambda: _by_blocks(vectors, threshold, capacity, inclusive, dtype)[0],
+        like=vectors,
     )
 
 
@@ -310,7 +311,7 @@ def select_or_top(
         live = [v for v in vectors if v.shape[0]]
         return _by_blocks(live, threshold, capacity, False, jnp.float32, fill=(abs_sum, k))
 
-    return passes.by_platform(by_words, by_blocks)
+    return passes.by_platform(by_words, by_blocks, like=vectors)
 
 
 _BLOCK = 128  # entries per block of _by_blocks (a TPU vector register's lanes)
@@ -494,7 +495,7 @@ def strongest(payload: Payload, capacity: int) -> Payload:
         pick = jnp.sort(lax.top_k(magnitudes, capacity)[1])
         return payload.values[pick], payload.indices[pick]
 
-    values, indices = passes.by_platform(by_count, by_sort)
+    values, indices = passes.by_platform(by_count, by_sort, like=magnitudes)
     selected = jnp.asarray(payload.selected, jnp.int32)
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
@@ -513,7 +514,9 @@ def exact_top(vectors, k: int, capacity: int, selected) -> tuple[Payload, jax.Ar
         top = _padded(top, capacity, vectors)
         return top._replace(count=jnp.minimum(chosen, k), selected=chosen), t
 
-    return passes.by_platform(lambda: largest(vectors, k, capacity, selected), by_count)
+    return passes.by_platform(
+        lambda: largest(vectors, k, capacity, selected), by_count, like=vectors
+    )
 
 
 @in_payload_phase
@@ -601,7 +604,9 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
     instead of a sort: every entry above the k-th magnitude ``t``, and the
     first of those equal to ``t``, merged in index order.
     """
-    return passes.by_platform(lambda: _top_by_merge(vectors, k), lambda: _top_by_blocks(vectors, k))
+    return passes.by_platform(
+        lambda: _top_by_merge(vectors, k), lambda: _top_by_blocks(vectors, k), like=vectors
+    )
 
 
 def _top_by_blocks(vectors, k: int) -> tuple[Payload, jax.Array]:

@@ -183,7 +183,7 @@ def _fill(vectors, abs_sum, fitted, previous, cap: int):
         wide, eta = payload_lib.select_or_top(vectors, eta, width, abs_sum, k=cap)
         return payload_lib.strongest(wide, cap), eta
 
-    return passes.by_platform(by_words, by_blocks)
+    return passes.by_platform(by_words, by_blocks, like=vectors)
 
 
 @takes_loop_options
