@@ -7,6 +7,8 @@ compiles SIDCo's update for a TPU topology, with no TPU, to hold its kernel
 count.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +35,10 @@ def _gradients(rng, steps, shapes, kind):
     return out
 
 
-def _run(tx, stream, formulation):
+def _run(make, stream, formulation):
     with passes.formulation(formulation):
-        update = jax.jit(tx.update)  # traced inside, so the formulation holds
+        tx = make()  # a fresh transformation: jit's cache holds traces by function
+        update = jax.jit(tx.update)
         state = tx.init(stream[0])
         out = []
         for g in stream:
@@ -52,9 +55,9 @@ def _run(tx, stream, formulation):
 def test_the_accelerators_payloads_give_the_cpus_updates(rng, label, kind):
     name, *adaptation = label.split()
     options = {"adaptation": adaptation[0]} if adaptation else {}
-    tx = sidco.compressor(name, 0.01, **options)
+    make = functools.partial(sidco.compressor, name, 0.01, **options)
     stream = _gradients(rng, 6, [(70, 300), (5000,), (129,)], kind)
-    words, blocks = _run(tx, stream, "words"), _run(tx, stream, "blocks")
+    words, blocks = _run(make, stream, "words"), _run(make, stream, "blocks")
     for (u1, s1), (u2, s2) in zip(words, blocks, strict=True):
         jax.tree.map(np.testing.assert_array_equal, (u1, s1), (u2, s2))
 

@@ -159,6 +159,7 @@ def test_payload_search_is_a_loop_on_cpu_and_unrolled_elsewhere():
 def test_strongest_keeps_the_largest_of_a_wide_payload(rng, kind):
     # adaptation="fill" gathers up to 4x the capacity, then keeps the largest, in index
     # order: counted on CPU, lax.top_k elsewhere; both the same entries as a NumPy sort.
+    from sidco_jax._src import passes
     from sidco_jax._src.payload import strongest
 
     n, cap = 5000, 50
@@ -169,18 +170,20 @@ def test_strongest_keeps_the_largest_of_a_wide_payload(rng, kind):
     }[kind]
     x = np.asarray(make(), np.float32)
     ranked = np.sort(np.abs(x))[::-1]
-    for passing in (10 * cap, 2 * cap, cap // 2):  # over 4x the capacity, 1-4x, under 1x
-        eta = np.nextafter(ranked[passing], np.float32(0))  # ties all pass
-        wide = sidco.sparsify(x, eta, width)
-        got = jax.jit(strongest, static_argnums=1)(wide, cap)
-        first = np.flatnonzero(np.abs(x) > eta)[:width]  # what the wide payload holds
-        order = np.argsort(-np.abs(x[first]), kind="stable")  # ties: lower index first
-        want = np.full(cap, n)
-        want[: min(cap, first.size)] = first[order][:cap]
-        np.testing.assert_array_equal(got.indices, np.sort(want))
-        np.testing.assert_array_equal(got.values, np.where(got.indices < n, x[got.indices % n], 0))
-        assert int(got.selected) == int(wide.selected)
-        assert int(got.count) == min(int(wide.selected), cap)
-    lowered = jax.jit(strongest, static_argnums=1).trace(wide, cap)
-    assert "top_k" not in lowered.lower(lowering_platforms=("cpu",)).as_text()
-    assert "top_k" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+    for formulation, sorts in (("words", False), ("blocks", True)):  # XLA:CPU's, GPU/TPU's
+        for passing in (10 * cap, 2 * cap, cap // 2):  # over 4x the capacity, 1-4x, under 1x
+            eta = np.nextafter(ranked[passing], np.float32(0))  # ties all pass
+            wide = sidco.sparsify(x, eta, width)
+            with passes.formulation(formulation):  # a fresh function: traced anew
+                picked = jax.jit(lambda wide: strongest(wide, cap))
+                got, text = picked(wide), picked.lower(wide).as_text()
+            first = np.flatnonzero(np.abs(x) > eta)[:width]  # what the wide payload holds
+            order = np.argsort(-np.abs(x[first]), kind="stable")  # ties: lower index first
+            want = np.full(cap, n)
+            want[: min(cap, first.size)] = first[order][:cap]
+            np.testing.assert_array_equal(got.indices, np.sort(want))
+            values = np.where(got.indices < n, x[got.indices % n], 0)
+            np.testing.assert_array_equal(got.values, values)
+            assert int(got.selected) == int(wide.selected)
+            assert int(got.count) == min(int(wide.selected), cap)
+            assert ("top_k" in text) == sorts

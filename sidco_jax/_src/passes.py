@@ -40,7 +40,8 @@ _FORMULATION: str | None = None  # None: by platform; "words" or "blocks" forces
 def formulation(name: str):
     """Within it, passes and payloads trace with one formulation on every backend (for
     tests that check the accelerators' on the CPU): ``"words"`` (XLA:CPU's) or
-    ``"blocks"`` (GPU and TPU: plain reductions that XLA fuses as it likes)."""
+    ``"blocks"`` (GPU and TPU: plain reductions that XLA fuses as it likes). ``jax.jit``
+    caches a function's trace, so jit a function made inside."""
     global _FORMULATION
     saved, _FORMULATION = _FORMULATION, name
     try:
