@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from typing import NamedTuple
 
 import chex
 import jax
@@ -26,6 +27,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
+from sidco_jax._src import layout as layout_lib
+from sidco_jax._src import residuals
 
 
 def optimizer():
@@ -336,11 +339,54 @@ def test_a_checkpoint_moves_between_layouts_and_training_goes_on(tmp_path, rng, 
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), params, want_params)
 
 
-def test_a_residual_that_cannot_change_layout_names_both(tmp_path):
-    params = {"w": jnp.zeros(40)}
-    sidco.save(tmp_path / "ckpt", sidco.compress(0.1, layout="tree").init(params))
-    target = sidco.compress(0.1, layout="buckets").init({"w": jnp.zeros(30)})
-    with pytest.raises(ValueError, match=r"saved in the 'tree' layout.*'buckets' layout"):
+class Layers(NamedTuple):  # fields out of alphabetical order, as orbax's dicts sort them
+    zeta: jax.Array
+    alpha: jax.Array
+
+
+CONVERTED = {
+    "namedtuple": Layers(jnp.zeros(3), jnp.zeros((2, 2))),
+    "int keys": {i: jnp.zeros(i % 3 + 1) for i in range(12)},  # Flax NNX's layer indices
+    "9, 2, 6": {"a": jnp.zeros(9), "b": jnp.zeros(2), "c": jnp.zeros(6)},
+}
+# A layout, and bucket_bytes where buckets: 8 bytes puts nearly every leaf alone.
+LAYOUTS = {"tree": ("tree", None), "buckets": ("buckets", None), "8 bytes": ("buckets", 8)}
+LAYOUTS |= {"36 bytes": ("buckets", 36), "44 bytes": ("buckets", 44)}  # 9 | 2 + 6, 9 + 2 | 6
+
+
+def numbered_state(params, layout):
+    """A compressor state whose residual holds 1, 2, 3, ... in leaf order, and that tree."""
+    layout, bucket_bytes = LAYOUTS[layout]
+    state = sidco.compress(0.1, layout=layout, bucket_bytes=bucket_bytes).init(params)
+    leaves, treedef = jax.tree.flatten(params)
+    numbers = np.arange(1, 1 + sum(x.size for x in leaves), dtype=np.float32)
+    cut = np.split(numbers, np.cumsum([x.size for x in leaves])[:-1])
+    tree = treedef.unflatten([jnp.reshape(n, x.shape) for n, x in zip(cut, leaves, strict=True)])
+    residual = residuals.convert(tree, params, layout, bucket_bytes or layout_lib.BUCKET_BYTES)
+    return state._replace(residual=residual), tree
+
+
+@pytest.mark.parametrize("params", list(CONVERTED))
+@pytest.mark.parametrize(
+    ("saved", "restored"),
+    [("tree", "buckets"), ("buckets", "tree"), ("buckets", "8 bytes"), ("36 bytes", "44 bytes")],
+)
+def test_a_residual_converts_onto_its_own_leaves(tmp_path, params, saved, restored):
+    params = CONVERTED[params]
+    state, tree = numbered_state(params, saved)
+    sidco.save(tmp_path / "ckpt", state)
+    target, _ = numbered_state(params, restored)
+    zeros = jax.tree.map(jnp.zeros_like, target.residual)
+    back = sidco.restore(tmp_path / "ckpt", target._replace(residual=zeros))
+    assert jax.tree.structure(back) == jax.tree.structure(target)
+    chex.assert_trees_all_equal(residuals.convert(back.residual, params, "tree"), tree)
+
+
+@pytest.mark.parametrize(("saved", "restored"), [("tree", "buckets"), ("buckets", "tree")])
+def test_a_residual_of_other_leaves_is_refused_in_another_layout(tmp_path, saved, restored):
+    sidco.save(tmp_path / "ckpt", numbered_state({"a": jnp.zeros(3), "b": jnp.zeros(2)}, saved)[0])
+    target = numbered_state({"a": jnp.zeros(2), "b": jnp.zeros(3)}, restored)[0]  # same entries
+    with pytest.raises(ValueError, match=r"another model.*leaf a is \(2,\) float32, not \(3,\)"):
         sidco.restore(tmp_path / "ckpt", target)
 
 

@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 from sidco_jax._src import layout as layout_lib
-from sidco_jax._src.layout import Buckets
+from sidco_jax._src import residuals
+from sidco_jax._src.residuals import Buckets
 
 pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
@@ -187,7 +188,7 @@ def as_tree(state, params):
     """``state`` with a bucketed residual as the tree of its entries (the checks read leaves)."""
     if not isinstance(state.residual, Buckets):
         return state
-    return state._replace(residual=layout_lib.convert(state.residual, params, "tree"))
+    return state._replace(residual=residuals.convert(state.residual, params, "tree"))
 
 
 def poisoned_state(state, params, name):
@@ -198,7 +199,8 @@ def poisoned_state(state, params, name):
         cut = layout_lib.regroup(jax.tree.leaves(tree), [b.shape for b in buckets], 1)
         return state._replace(
             residual=Buckets(
-                tuple(jnp.asarray(x, b.dtype) for x, b in zip(cut, buckets, strict=True))
+                tuple(jnp.asarray(x, b.dtype) for x, b in zip(cut, buckets, strict=True)),
+                state.residual.cut,
             )
         )
     return state._replace(residual=tree)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
 from sidco_jax._src import layout as layout_lib
+from sidco_jax._src import residuals
 
 # Every kind of leaf the layouts treat apart: one large enough to stay alone in the
 # tree layout, small float32 leaves packed together, bf16 (cast into a float32
@@ -103,8 +104,8 @@ def run_local(name, layout, stream, **options):
 def test_both_layouts_give_the_same_result(name, rng):
     stream = gradients(rng, LEAVES, 4)
     tree, buckets = (run_local(name, layout, stream) for layout in ("tree", "buckets"))
-    assert not isinstance(tree[0][1].residual, layout_lib.Buckets)
-    assert name == "dense" or isinstance(buckets[0][1].residual, layout_lib.Buckets)
+    assert not isinstance(tree[0][1].residual, residuals.Buckets)
+    assert name == "dense" or isinstance(buckets[0][1].residual, residuals.Buckets)
     assert_same(tree, buckets)
 
 
@@ -181,7 +182,7 @@ def test_auto_is_the_tree_on_cpu_and_buckets_elsewhere(monkeypatch):
     assert isinstance(sidco.compress(0.1).init(params).residual, dict)
     # ...which decides only for leaves that name no devices.
     host = jax.tree.map(np.asarray, params)
-    assert isinstance(sidco.compress(0.1).init(host).residual, layout_lib.Buckets)
+    assert isinstance(sidco.compress(0.1).init(host).residual, residuals.Buckets)
 
 
 def test_auto_follows_the_platform_of_an_abstract_mesh():
@@ -196,7 +197,7 @@ def test_auto_follows_the_platform_of_an_abstract_mesh():
     with jax.sharding.use_abstract_mesh(mesh):
         in_context = jax.eval_shape(tx.init, bare)
     for state in jax.eval_shape(tx.init, placed), jax.eval_shape(in_map, bare), in_context:
-        assert isinstance(state.residual, layout_lib.Buckets)
+        assert isinstance(state.residual, residuals.Buckets)
     assert isinstance(jax.eval_shape(tx.init, bare).residual, dict)  # no mesh: the CPU
 
 
@@ -223,7 +224,7 @@ def test_auto_takes_the_buckets_for_a_tpu_program_compiled_on_a_cpu_host(monkeyp
     tx = sidco.compress(0.01, axis_name=AXIS)
     in_map = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()))
     for state in jax.eval_shape(tx.init, params), in_map.trace(params).out_info:
-        assert isinstance(state.residual, layout_lib.Buckets)
+        assert isinstance(state.residual, residuals.Buckets)
 
     # Without a residual, the update decides from the gradient's devices.
     planned, plan = [], layout_lib.plan
@@ -262,12 +263,20 @@ def test_a_state_of_the_other_layout_is_refused_naming_both():
         sidco.compress(0.1, layout="buckets").update(params, state)
 
 
-def test_a_gradient_unlike_the_buckets_is_refused():
-    params = params_of(SMALL)
-    tx = sidco.compress(0.1, layout="buckets")
-    state = tx.init(params)
-    with pytest.raises(ValueError, match="packs into buckets"):
-        tx.update({**params, "h_v": jnp.zeros(301)}, state)
+CHANGED = {  # gradients unlike {"a": (3,), "b": (2,)}, each in one way
+    "resized": {"a": jnp.ones(3), "b": jnp.ones(4)},
+    "swapped": {"a": jnp.ones(2), "b": jnp.ones(3)},  # the same entries in all
+    "renamed": {"a": jnp.ones(3), "c": jnp.ones(2)},
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGED))
+@pytest.mark.parametrize("layout", ["tree", "buckets"])
+def test_a_gradient_unlike_init_s_is_refused_in_both_layouts(layout, change):
+    tx = sidco.compress(0.5, layout=layout)
+    state = tx.init({"a": jnp.ones(3), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match="init"):
+        tx.update(CHANGED[change], state)
 
 
 def test_a_single_device_residual_converts_both_ways(rng):
@@ -278,11 +287,11 @@ def test_a_single_device_residual_converts_both_ways(rng):
         else jnp.zeros(0)
         for k, v in params.items()
     }
-    buckets = layout_lib.convert(tree, params, "buckets", BUCKET_BYTES)
+    buckets = residuals.convert(tree, params, "buckets", BUCKET_BYTES)
     # b, d and f packed (e has no entries); the large g alone; h after it.
     assert [b.shape for b in buckets.buckets] == [(65536,), (40 + 24 + 1,), (1920,), (300,)]
     np.testing.assert_array_equal(flat(buckets), flat(tree))
-    back = layout_lib.convert(buckets, params, "tree")
+    back = residuals.convert(buckets, params, "tree")
     jax.tree.map(np.testing.assert_array_equal, back, tree)
 
 

@@ -215,13 +215,26 @@ def test_sharded_checkpoints_round_trip_and_refuse_another_node_size(rng, tmp_pa
     assert restored.residual.slices[0].sharding == target.residual.slices[0].sharding
     halves = _sharded(values="int8", indices="chunked", inner_shards=2)
     other = sidco.parallel.shard_init(halves, params_tree(), _mesh(4, 2), BOTH)
-    with pytest.raises(ValueError, match=r"saved with 565 entries per device.*have 1130"):
+    with pytest.raises(ValueError, match=r"other buckets.*shared by 2 devices, not 4"):
         sidco.restore(tmp_path / "ckpt", other)
     tree = sidco.parallel.shard_init(
         sidco.compress(0.02, axis_name=BOTH), params_tree(), _mesh(), BOTH
     )
-    with pytest.raises(ValueError, match=r"'slices \(inner_shards\)' layout.*converts to no"):
+    with pytest.raises(ValueError, match=r"'slices' layout.*converts to no"):
         sidco.restore(tmp_path / "ckpt", tree)
+
+
+def test_slices_of_other_buckets_are_refused_though_their_shapes_coincide(tmp_path):
+    params = {"a": jnp.zeros(9), "b": jnp.zeros(2), "c": jnp.zeros(6)}
+
+    def state(bucket_bytes):  # buckets of 9 and 2 + 6 entries, or of 9 + 2 and 6
+        return sidco.parallel.shard_init(_sharded(bucket_bytes=bucket_bytes), params, _mesh(), BOTH)
+
+    saved, target = state(36), state(44)
+    assert [x.shape for x in saved.residual.slices] == [x.shape for x in target.residual.slices]
+    sidco.save(tmp_path / "ckpt", saved)
+    with pytest.raises(ValueError, match=r"other buckets.*another bucket_bytes"):
+        sidco.restore(tmp_path / "ckpt", target)
 
 
 @pytest.mark.slow

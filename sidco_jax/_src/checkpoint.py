@@ -27,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import manifest, storage
+from sidco_jax._src import manifest, residuals, storage
 from sidco_jax._src.base import CompressState
 from sidco_jax._src.sharding import is_residual
-from sidco_jax._src.slices import Slices
 
 
 class ResidualWarning(UserWarning):
@@ -154,11 +153,11 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
     """
     path = os.path.abspath(path)
     storage.check_source(path)
-    described = manifest.read(path)
+    described, cuts = manifest.read(path), manifest.cuts(path)
     with storage.checkpointer() as checkpointer:
         tree = storage.metadata(checkpointer, path)
         # A residual saved in another layout is read as saved, converted below.
-        as_saved = _as_saved(target, tree)
+        as_saved = _as_saved(target, tree, cuts)
         flat, treedef = jax.tree_util.tree_flatten_with_path(as_saved)
         abstract = [_abstract(leaf) for _, leaf in flat]
         marks = jax.tree.leaves(is_residual(as_saved))
@@ -184,7 +183,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         for value, leaf, asked, mark in zip(values, abstract, wanted, marks, strict=True)
     ]
     _check_finite(leaves, marks)
-    restored = _converted(treedef.unflatten(leaves), target)
+    restored = _converted(treedef.unflatten(leaves), target, cuts)
     _check_ratios(restored, target)
     return restored
 
@@ -259,7 +258,7 @@ def _in_slices(tree) -> Any:
 
     def mark(node):
         marks = jax.tree.map(lambda _: False, node)
-        if _is_state(node) and isinstance(node.residual, Slices):
+        if _is_state(node) and residuals.form_of(node.residual) is residuals.SLICES:
             marks = marks._replace(residual=jax.tree.map(lambda _: True, node.residual))
         return marks
 
@@ -305,26 +304,56 @@ def _leaf_names(tree, is_leaf=None) -> set:
     return {manifest.key(keys) for keys, leaf in flat if not _is_empty(leaf)}
 
 
-def _as_saved(target, saved):
+def _as_saved(target, saved, cuts: dict):
     """``target``, where a compressor state's residual was saved in another layout, as saved.
 
-    Such a residual (a tree saved and :class:`~sidco_jax._src.layout.Buckets`
-    asked for, or the other way round, or buckets of another size) is read in
-    its saved form, unsharded, and converted by :func:`_converted`.
+    The manifest records what each residual was cut from (:class:`residuals.Cut`):
+    one saved for the target's leaves but in another layout (a tree saved and
+    buckets asked for, or the other way round, or buckets of another size) is
+    read in its saved form, unsharded, and converted by :func:`_converted`; one
+    saved for other leaves is refused, naming the first that changed.
     """
 
     def as_saved(keys, node):
         if not _is_state(node) or node.residual is None:
             return node
-        stored = _subtree(saved, (*manifest.key(keys), "residual"))
-        if stored is None or _leaf_names(stored, _has_shape) == _leaf_names(node.residual):
-            return node  # the same layout (orbax names anything missing)
-        held, wanted = _describe_saved(stored), layout_lib.describe(node.residual)
-        if "slices" in held + wanted:
+        name = f"{jax.tree_util.keystr(keys)}.residual"
+        form, stored = (
+            residuals.form_of(node.residual),
+            _subtree(saved, (*manifest.key(keys), "residual")),
+        )
+        if manifest.key(keys) not in cuts:  # a sidco_jax that recorded no cut: as saved
+            if stored is None or _leaf_names(stored, _has_shape) == _leaf_names(node.residual):
+                return node  # the same layout (orbax names anything missing)
             raise ValueError(
-                f"{jax.tree_util.keystr(keys)}.residual was saved in the {held!r} layout and the "
-                f"target's is {wanted!r}: a residual sharded over a node's devices "
-                "(inner_shards) converts to no other layout"
+                f"{name} was saved in another layout than the target's by a sidco_jax that did "
+                "not record what it was cut from: restore it into the layout it was saved in"
+            )
+        held, cut = cuts[manifest.key(keys)]
+        if held is form is residuals.TREE:
+            return node  # each leaf is checked as read (_request)
+        want = form.cut(node.residual)
+        cut = _per_device(cut, want) if held is residuals.TREE else cut
+        moved = cut.moved(want)
+        if moved is not None:
+            raise ValueError(
+                f"{name} was saved for another model than the target's ({moved}): restore it "
+                "into the model it was saved with"
+            )
+        if held is form and cut == want:
+            return node
+        if held is form is residuals.SLICES:
+            raise ValueError(
+                f"{name} was saved as slices of other buckets than the target's "
+                f"({cut.difference(want)}): a residual sharded over a node's devices "
+                "(inner_shards) restores only into buckets cut as saved (the same bucket_bytes "
+                "and inner_shards)"
+            )
+        if residuals.SLICES in (held, form):
+            raise ValueError(
+                f"{name} was saved in the {held.name!r} layout and the target's is "
+                f"{form.name!r}: a residual sharded over a node's devices (inner_shards) "
+                "converts to no other layout"
             )
         shape = jax.tree.map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)),
@@ -336,48 +365,53 @@ def _as_saved(target, saved):
     return jax.tree_util.tree_map_with_path(as_saved, target, is_leaf=_is_state)
 
 
-def _converted(restored, target):
+def _per_device(cut: residuals.Cut, want: residuals.Cut) -> residuals.Cut:
+    """A tree's ``cut`` saved from host arrays (each leaf's devices stacked), per device.
+
+    Host arrays say nothing of devices: where the saved leaves hold a whole
+    number of copies of the target's, that number is taken as the devices'.
+    """
+    total = lambda c: sum(math.prod(shape) for shape in c.shapes)  # noqa: E731
+    copies, left = divmod(total(cut), max(total(want), 1))
+    if copies <= 1 or left or any(shape[0] % copies for shape in cut.shapes):
+        return cut
+    return cut._replace(shapes=tuple((s[0] // copies, *s[1:]) for s in cut.shapes))
+
+
+def _converted(restored, target, cuts: dict):
     """``restored`` with every residual read in another layout converted to ``target``'s."""
+    flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_state)[0]
     structure = jax.tree.structure(target, is_leaf=_is_state)
     nodes = structure.flatten_up_to(restored)
-    for i, (have, want) in enumerate(zip(nodes, structure.flatten_up_to(target), strict=True)):
+    for i, (have, (keys, want)) in enumerate(zip(nodes, flat, strict=True)):
         moved = _is_state(want) and want.residual is not None
         if moved and jax.tree.structure(have.residual) != jax.tree.structure(want.residual):
-            nodes[i] = have._replace(residual=_relayout(have.residual, want.residual))
+            held, cut = cuts[manifest.key(keys)]
+            residual = _relayout(have.residual, held, cut, want.residual)
+            nodes[i] = have._replace(residual=residual)
     return structure.unflatten(nodes)
 
 
-def _relayout(saved, target):
-    """A residual read in one layout, cut into ``target``'s (shardings included).
+def _relayout(saved, held: residuals.Form, cut: residuals.Cut, target):
+    """A residual read in the form ``held`` (cut as ``cut``), cut into ``target``'s.
 
-    Saved on ``d`` devices and restored on another number, every device then
-    starts from their mean, as :func:`_redistribute` does.
+    The saved arrays are taken in the order the cut records, by name (orbax
+    returns dicts, ordered by key). Saved on ``d`` devices and restored on
+    another number, every device then starts from their mean, as
+    :func:`_redistribute` does.
     """
-    have = [np.asarray(x) for x in jax.tree.leaves(saved)]
+    by_name = {manifest.key(k): x for k, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    have = [np.asarray(by_name[name]) for name in held.arrays(cut)]
     want, treedef = jax.tree.flatten(target)
     want = [_abstract(t) for t in want]
     shapes = [t.sharding.shard_shape(t.shape) if t.sharding else t.shape for t in want]
     per_device = sum(math.prod(shape) for shape in shapes)
-    entries = sum(x.size for x in have)
-    if per_device == 0 or entries % per_device:
-        raise ValueError(
-            f"a residual saved in the {_describe_saved(saved)!r} layout with {entries} entries "
-            f"does not convert to the {layout_lib.describe(target)!r} layout of the target, "
-            f"{per_device} entries per device: the model changed?"
-        )
-    cut = layout_lib.regroup(have, shapes, entries // per_device)
+    cut_up = layout_lib.regroup(have, shapes, sum(x.size for x in have) // max(per_device, 1))
     leaves = [
         _zeros(t) if t.size == 0 else _place(_redistribute(x.astype(t.dtype), t), t)
-        for x, t in zip(cut, want, strict=True)
+        for x, t in zip(cut_up, want, strict=True)
     ]
     return treedef.unflatten(leaves)
-
-
-def _describe_saved(residual) -> str:
-    """The layout of a residual as orbax returns it (NamedTuples become dicts)."""
-    if isinstance(residual, dict) and set(residual) == {"slices"}:
-        return layout_lib.describe(Slices(()))
-    return "buckets" if isinstance(residual, dict) and set(residual) == {"buckets"} else "tree"
 
 
 def _place(value, target):

@@ -14,7 +14,7 @@ them, and a residual converts from one to another by concatenation.
 * ``"buckets"`` (GPU, TPU): consecutive leaves are packed into flat buckets of
   at most ``bucket_bytes`` of residual each (a larger leaf is a bucket of its
   own), one dtype per bucket, and the residual is stored as those buckets
-  (:class:`Buckets`). A step packs the gradient once and unpacks the update
+  (:mod:`residuals`). A step packs the gradient once and unpacks the update
   with slices, so the kernels it launches do not grow with the leaf count.
 * ``"auto"``: the tree for CPU devices and buckets for others, decided at
   ``init`` from the devices of the parameters or the mesh it runs under
@@ -32,25 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src.base import check_choice, check_integer, is_float, platform_of, static
-from sidco_jax._src.slices import Slices
+from sidco_jax._src.base import check_choice, check_integer, platform_of, static
 
 Layout = Literal["auto", "tree", "buckets"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
 # Leaves below this many entries are packed together in the tree layout.
 SMALL = 2**16
-
-
-class Buckets(NamedTuple):
-    """A residual stored in the bucketed layout.
-
-    Attributes:
-      buckets: one flat float32 (or wider) vector per bucket; the leaves'
-        entries in ``jax.tree.leaves`` order, packed.
-    """
-
-    buckets: tuple[jax.Array, ...]
 
 
 class Part(NamedTuple):
@@ -135,11 +123,6 @@ def plan(floats: Sequence, layout: str, bucket_bytes: int, by_leaf: bool) -> tup
     return tuple(parts)
 
 
-def empty(parts: Sequence[Part]) -> Buckets:
-    """A zero residual in the bucketed layout."""
-    return Buckets(tuple(jnp.zeros(p.shape, p.dtype) for p in parts))
-
-
 def pack(parts: Sequence[Part], leaves: Sequence[jax.Array]) -> list[jax.Array]:
     """One array per part from per-leaf arrays: a lone leaf reshaped, several concatenated.
 
@@ -168,13 +151,6 @@ def unpack(parts: Sequence[Part], arrays: Sequence[jax.Array], like: Sequence) -
     return out
 
 
-def describe(residual) -> str:
-    """The layout a stored residual is in, for error messages."""
-    if isinstance(residual, Slices):
-        return "slices (inner_shards)"
-    return "buckets" if isinstance(residual, Buckets) else "tree"
-
-
 def regroup(arrays: Sequence, shapes: Sequence[tuple[int, ...]], copies: int) -> list[np.ndarray]:
     """Cuts residual ``arrays`` anew into ``shapes``, on the host.
 
@@ -192,26 +168,3 @@ def regroup(arrays: Sequence, shapes: Sequence[tuple[int, ...]], copies: int) ->
         out.append(piece.reshape((copies * shape[0], *shape[1:])) if shape else piece)
         start += size
     return out
-
-
-def convert(residual, params, layout: str, bucket_bytes: int = BUCKET_BYTES):
-    """A single device's ``residual`` (either layout) in ``layout``, for parameters like ``params``.
-
-    Args:
-      residual: a residual tree like ``params`` or :class:`Buckets`.
-      params: the parameters (or their shapes and dtypes).
-      layout: ``"tree"`` or ``"buckets"``.
-      bucket_bytes: the bucket size of the bucketed layout.
-    """
-    floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
-    if layout == "buckets":
-        parts = plan(floats, "buckets", bucket_bytes, by_leaf=False)
-        cut = regroup(jax.tree.leaves(residual), [p.shape for p in parts], 1)
-        return Buckets(tuple(jnp.asarray(x, p.dtype) for x, p in zip(cut, parts, strict=True)))
-    leaves, treedef = jax.tree.flatten(params)
-    shapes = [tuple(np.shape(x)) or (1,) if is_float(x) else (0,) for x in leaves]
-    cut = regroup(jax.tree.leaves(residual), shapes, 1)
-    dtypes = [residual_dtype(x) for x in leaves]
-    return jax.tree.unflatten(
-        treedef, [jnp.asarray(x, d) for x, d in zip(cut, dtypes, strict=True)]
-    )

@@ -33,7 +33,7 @@ import optax
 from jax import lax
 
 from sidco_jax._src import aggregate as aggregate_lib
-from sidco_jax._src import codecs, costs, feedback, selection, slices
+from sidco_jax._src import codecs, costs, feedback, residuals, selection, slices
 from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
@@ -53,8 +53,7 @@ from sidco_jax._src.base import (
     next_count,
 )
 from sidco_jax._src.eager import compiled_when_eager
-from sidco_jax._src.layout import Buckets, Layout
-from sidco_jax._src.slices import Slices
+from sidco_jax._src.layout import Layout
 from sidco_jax._src.warmup import warmed_up
 
 
@@ -95,98 +94,22 @@ def _devices(axis_name) -> int:
         ) from error
 
 
-def _residual_shape(leaf) -> tuple[int, ...]:
-    if not is_float(leaf):
-        return (0,)
-    return jnp.shape(leaf) or (1,)
-
-
-def _check_tree(updates, residual) -> None:
-    """Refuses a gradient tree unlike the one ``init`` saw (recorded by the residual's shapes)."""
-    want, got = jax.tree.structure(residual), jax.tree.structure(updates)
-    if want != got:
+def _check_layout(asked: str, residual, sharded: bool) -> residuals.Form:
+    """The form ``residual`` is stored in, refused where the compressor asked for another."""
+    form = residuals.form_of(residual)
+    if sharded != (form is residuals.SLICES):
         raise ValueError(
-            f"the gradient's tree structure {got} does not match the one given to init {want}"
-        )
-    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
-    for (path, leaf), r in zip(paths, jax.tree.leaves(residual), strict=True):
-        if _residual_shape(leaf) != r.shape:
-            seen = f"a leaf of shape {r.shape}" if r.size else "a non-floating-point leaf"
-            raise ValueError(
-                f"gradient leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} and "
-                f"dtype {jnp.asarray(leaf).dtype}, but init saw {seen} there: the residual would "
-                "be added to the wrong entries (call init with parameters like the gradients)"
-            )
-
-
-def _check_buckets(residual: Buckets | Slices, parts, shards: int | None) -> None:
-    """Refuses a gradient that does not pack into the buckets (or slices) ``init`` made."""
-    have = [(b.shape[0], str(b.dtype)) for b in residual[0]]
-    want = [(slices.length(p.size, shards or 1), str(p.dtype)) for p in parts]
-    if have != want:
-        raise ValueError(
-            f"the gradient packs into buckets of (entries, dtype) {want}, but init made "
-            f"{have}: the residual would be added to the wrong entries (call init with "
-            "parameters like the gradients)"
-        )
-
-
-def _check_layout(asked: str, residual, sharded: bool) -> str:
-    """The layout ``residual`` is stored in, refused where the compressor asked for another."""
-    held = layout_lib.describe(residual)
-    if sharded != isinstance(residual, Slices):
-        raise ValueError(
-            f"the state holds a residual in the {held!r} layout, but this compressor "
+            f"the state holds a residual in the {form.name!r} layout, but this compressor "
             + ("shards" if sharded else "does not shard")
             + " it over inner_axis (inner_shards): take the state from its init"
         )
-    if sharded:
-        return "buckets"  # the slices of the buckets
-    if asked != "auto" and asked != held:
+    if not sharded and asked != "auto" and asked != form.name:
         raise ValueError(
-            f"the state holds a residual in the {held!r} layout, but this compressor was built "
-            f"with layout={asked!r}: take the state from its init (sidco.restore converts a "
-            "checkpoint from one layout to the other)"
+            f"the state holds a residual in the {form.name!r} layout, but this compressor was "
+            f"built with layout={asked!r}: take the state from its init (sidco.restore converts "
+            "a checkpoint from one layout to the other)"
         )
-    return held
-
-
-def _init_residual(params, layout: str, bucket_bytes: int, by_leaf: bool, shards: int | None):
-    """A zero residual: a tree like ``params`` (``"tree"``), :class:`Buckets` or :class:`Slices`."""
-    if shards is not None or layout == "buckets":
-        floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
-        parts = layout_lib.plan(floats, "buckets", bucket_bytes, by_leaf)
-        return layout_lib.empty(parts) if shards is None else slices.empty(parts, shards)
-
-    def zero(leaf):
-        return jnp.zeros(_residual_shape(leaf), layout_lib.residual_dtype(leaf))
-
-    return jax.tree.map(zero, params)
-
-
-def _residual_parts(residual, parts, float_at) -> list[jax.Array]:
-    """The residual cut into ``parts``; a scalar zero per part without error feedback.
-
-    Without error feedback a scalar zero stands in: a full-size one was written
-    and read on every step (passes' barriers keep XLA from folding it).
-    """
-    if residual is None:
-        return [jnp.zeros((), p.dtype) for p in parts]
-    if isinstance(residual, Buckets | Slices):
-        return list(residual[0])
-    leaves = jax.tree.leaves(residual)
-    return layout_lib.pack(parts, [leaves[i] for i in float_at])
-
-
-def _stored(residual, parts, left, float_at):
-    """The new residual in ``residual``'s storage, from the parts ``left``."""
-    if isinstance(residual, Buckets | Slices):
-        return type(residual)(tuple(left))
-    leaves, treedef = jax.tree.flatten(residual)
-    floats = [leaves[i] for i in float_at]
-    for j, x in layout_lib.unpack(parts, left, floats).items():
-        leaves[float_at[j]] = x
-    return jax.tree.unflatten(treedef, leaves)
+    return form
 
 
 def _reselect(rule: Rule, rule_state, key):
@@ -359,9 +282,9 @@ def sparsifier(
         eta = jnp.zeros((len(floats),) if by_leaf else (), jnp.float32)
         residual = None
         if error_feedback:
-            residual = _init_residual(
-                params, layout_lib.resolve(layout, params), bucket_bytes, by_leaf, shards
-            )
+            form = residuals.choose(layout_lib.resolve(layout, params), shards)
+            parts = layout_lib.plan(floats, form.layout, bucket_bytes, by_leaf)
+            residual = form.empty(params, parts, shards or 1)
         return CompressState(
             residual=residual,
             count=zero,
@@ -382,14 +305,12 @@ def sparsifier(
         if n == 0 and not complex_at:
             return updates, state._replace(count=next_count(state.count))
         devices = _devices(axis_name)
-        held = "buckets" if shards is not None else layout_lib.resolve(layout, grads)
+        form = residuals.choose(layout_lib.resolve(layout, grads), shards)
         if error_feedback:
-            held = _check_layout(layout, state.residual, shards is not None)
-        parts = layout_lib.plan(grads, held, bucket_bytes, by_leaf)
-        if error_feedback and held == "tree":
-            _check_tree(updates, state.residual)
-        elif error_feedback:
-            _check_buckets(state.residual, parts, shards)
+            form = _check_layout(layout, state.residual, shards is not None)
+        parts = layout_lib.plan(grads, form.layout, bucket_bytes, by_leaf)
+        if error_feedback:
+            form.check(state.residual, updates, parts)
         others = [jnp.asarray(leaves[i]) for i in complex_at]
 
         with jax.named_scope("pack"):
@@ -405,7 +326,11 @@ def sparsifier(
                     others = lax.pmean(others, inner_axis)
                 else:
                     g, others = lax.pmean((g, others), inner_axis)
-            r = _residual_parts(state.residual if error_feedback else None, parts, float_at)
+            # Without error feedback a scalar zero stands in: a full-size one was written
+            # and read on every step (passes' barriers keep XLA from folding it).
+            r = [jnp.zeros((), p.dtype) for p in parts]
+            if error_feedback:
+                r = form.parts(state.residual, parts, float_at)
         fed = feedback.error_feedback(list(zip(g, r, strict=True)), others, error_feedback)
 
         key = jax.random.fold_in(jax.random.key(seed), state.count)
@@ -441,7 +366,7 @@ def sparsifier(
             out = _unpack(parts, leaves, float_at, complex_at, done)
             residual = state.residual
             if error_feedback:
-                residual = _stored(state.residual, parts, left, float_at)
+                residual = form.store(state.residual, parts, left, float_at)
         copies = devices if shards is None else devices * shards
         last = _metrics(ratio, done, sum(x.size for x in fed.u) * copies)
         new_state = CompressState(

@@ -22,6 +22,10 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from sidco_jax._src import residuals
+from sidco_jax._src.base import CompressState
+from sidco_jax._src.residuals import names as key
+
 DIRECTORY = "sidco_manifest"
 FORMAT = 1
 CHECKSUM = "crc32"  # fast on one core (docs/design.md); misses random damage at 2^-32
@@ -49,15 +53,6 @@ class Leaf(NamedTuple):
 def incomplete(path: str, reason: str) -> ValueError:
     """The error for a directory that is not a whole checkpoint of ``sidco_jax.save``."""
     return ValueError(f"{path} is not a complete checkpoint written by sidco_jax.save: {reason}")
-
-
-def key(keys) -> tuple:
-    """A key path as names, the same in a tree and in orbax's metadata of it.
-
-    Orbax turns NamedTuples into dicts, tuples into lists and int dict keys
-    (Flax NNX's layer indices) into str ones: every name is a str.
-    """
-    return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", None)))) for k in keys)
 
 
 def _region(index, shape) -> tuple:
@@ -88,6 +83,21 @@ def _describe(keys, leaf) -> dict:
     return entry
 
 
+def _is_state(node) -> bool:
+    return isinstance(node, CompressState)
+
+
+def _cuts(tree) -> list[dict]:
+    """What each compressor state's residual was cut from: its form and :class:`residuals.Cut`."""
+    out = []
+    for keys, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]:
+        if _is_state(node) and node.residual is not None:
+            form = residuals.form_of(node.residual)
+            cut = form.cut(node.residual).to_json()
+            out.append({"state": list(key(keys)), "form": form.name, **cut})
+    return out
+
+
 def write(directory, tree) -> None:
     """Writes this process's manifest of ``tree``, as orbax saved it, into ``directory``."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -97,6 +107,7 @@ def write(directory, tree) -> None:
         "process": jax.process_index(),
         "processes": jax.process_count(),
         "leaves": [_describe(keys, leaf) for keys, leaf in flat],
+        "residuals": _cuts(tree),
     }
     folder = os.path.join(directory, DIRECTORY)
     os.makedirs(folder, exist_ok=True)
@@ -191,6 +202,51 @@ def read(path: str) -> dict[tuple, Leaf]:
     except ValueError as error:
         raise incomplete(path, str(error)) from None
     return leaves
+
+
+def _cut(entry, what: str) -> tuple[tuple, residuals.Form, residuals.Cut]:
+    """``(state key, form, cut)`` of one residual's record, every field checked."""
+    state = _field(entry, "state", list, what)
+    if not all(type(p) is str for p in state):
+        raise ValueError(f"{what}: a residual's state path holds something other than names")
+    what = f"{what}, the residual of {'/'.join(state) or '(root)'}"
+    form = residuals.FORMS.get(entry.get("form"))
+    if form is None:
+        raise ValueError(f"{what} has no form of {sorted(residuals.FORMS)}")
+    paths = _field(entry, "paths", list, what)
+    if not all(isinstance(p, list) and all(type(n) is str for n in p) for p in paths):
+        raise ValueError(f"{what}: its paths are not lists of names")
+    shapes = [_naturals(s, f"{what}: a shape") for s in _field(entry, "shapes", list, what)]
+    dtypes = _field(entry, "dtypes", list, what)
+    parts = [_naturals(p, f"{what}: a part") for p in _field(entry, "parts", list, what)]
+    shards = _field(entry, "shards", int, what)
+    if len({len(paths), len(shapes), len(dtypes)}) != 1 or shards < 1:
+        raise ValueError(f"{what}: its paths, shapes and dtypes differ in length")
+    if not all(type(d) is str for d in dtypes) or any(i >= len(paths) for p in parts for i in p):
+        raise ValueError(f"{what}: its dtypes or parts are not the leaves'")
+    cut = residuals.Cut(
+        tuple(map(tuple, paths)), tuple(shapes), tuple(dtypes), tuple(parts), shards
+    )
+    return tuple(state), form, cut
+
+
+def cuts(path: str) -> dict[tuple, tuple[residuals.Form, residuals.Cut]]:
+    """Each saved residual's form and cut, by its state's :func:`key`.
+
+    Empty for a checkpoint of a sidco_jax that did not record them.
+
+    Raises:
+      ValueError: if the record is not the manifest's format.
+    """
+    what = f"its {DIRECTORY}/process_0.json"
+    try:
+        record = _load(os.path.join(path, DIRECTORY), 0).get("residuals", [])
+        if not isinstance(record, list):
+            raise ValueError(f"{what} holds no list 'residuals'")
+        found = [_cut(entry, what) for entry in record]
+    except ValueError as error:
+        raise incomplete(path, str(error)) from None
+    return {state: (form, cut) for state, form, cut in found}
 
 
 def _pieces(value) -> list:

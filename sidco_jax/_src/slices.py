@@ -11,7 +11,6 @@ of the update, and its residual stays zero.
 """
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +18,6 @@ from jax import lax
 
 from sidco_jax._src import collectives
 from sidco_jax._src.base import AxisName, check_integer, static
-
-
-class Slices(NamedTuple):
-    """A residual of the sharded hierarchy: this device's slice of each bucket.
-
-    Attributes:
-      slices: one flat float32 (or wider) vector per bucket, its
-        ``ceil(size / inner_shards)`` entries at this device's position along
-        ``inner_axis`` (zero-padded at the end of the last device's).
-    """
-
-    slices: tuple[jax.Array, ...]
 
 
 def check(inner_shards, inner_axis, layout: str) -> int | None:
@@ -73,11 +60,6 @@ def check_size(n: int, shards: int) -> None:
 def length(size: int, shards: int) -> int:
     """Entries of one device's slice of a part of ``size`` entries."""
     return -(-size // shards)
-
-
-def empty(parts, shards: int) -> Slices:
-    """A zero residual: one slice per part."""
-    return Slices(tuple(jnp.zeros((length(p.size, shards),), p.dtype) for p in parts))
 
 
 def scatter(g: Sequence[jax.Array], parts, inner_axis: AxisName, shards: int) -> list:
