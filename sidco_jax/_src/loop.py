@@ -30,10 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from sidco_jax._src import aggregate as aggregate_lib
-from sidco_jax._src import codecs, costs, feedback, residuals, selection, slices
+from sidco_jax._src import codecs, costs, feedback, hierarchy, residuals, selection, slices
 from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import (
     MAX_SIZE,
@@ -43,7 +42,6 @@ from sidco_jax._src.base import (
     CompressState,
     Granularity,
     Rule,
-    axis_names,
     check_axis,
     check_common,
     check_integer,
@@ -80,20 +78,6 @@ def _check_size(n: int) -> None:
         )
 
 
-def _devices(axis_name) -> int:
-    """Devices along ``axis_name`` (1 for None), with a clear error where it is unbound."""
-    if axis_name is None:
-        return 1
-    try:
-        return lax.axis_size(axis_name)
-    except NameError as error:
-        raise NameError(
-            f"axis_name {axis_name!r} is not bound here: call the update inside jax.shard_map "
-            "or jax.pmap over that axis, or build the compressor with axis_name=None to "
-            "compress locally"
-        ) from error
-
-
 def _check_layout(asked: str, residual, sharded: bool) -> residuals.Form:
     """The form ``residual`` is stored in, refused where the compressor asked for another."""
     form = residuals.form_of(residual)
@@ -112,8 +96,12 @@ def _check_layout(asked: str, residual, sharded: bool) -> residuals.Form:
     return form
 
 
-def _reselect(rule: Rule, rule_state, key):
-    """The owner's selection in the sparse all-reduce: the same rule on its region's sum."""
+def _reselect(rule: Rule, rule_state, key, used: int):
+    """The owner's selection in the sparse all-reduce: the same rule on its region's sum.
+
+    Its key follows the ``used`` keys of the step's own selections.
+    """
+    key = jax.random.fold_in(key, used)
 
     def reselect(region):
         abs_sum = jnp.sum(jnp.abs(region))
@@ -121,6 +109,13 @@ def _reselect(rule: Rule, rule_state, key):
         return selection.fill_if_starved(again, [region], abs_sum).payload
 
     return reselect
+
+
+def _positions(leaves) -> tuple[list[int], list[int]]:
+    """Where the floating-point leaves are, and the complex ones with entries."""
+    float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
+    complex_at = [i for i, leaf in enumerate(leaves) if jnp.iscomplexobj(leaf) and np.size(leaf)]
+    return float_at, complex_at
 
 
 def _unpack(parts, leaves, float_at, complex_at, done) -> list:
@@ -271,6 +266,7 @@ def sparsifier(
     codecs.check(values, indices)
     wire = codecs.Codec(values, indices)
     by_leaf = granularity == "leaf"
+    node = hierarchy.choose(inner_axis, shards)
 
     def init(params):
         floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
@@ -295,84 +291,61 @@ def sparsifier(
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
-        float_at = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
-        complex_at = [
-            i for i, leaf in enumerate(leaves) if jnp.iscomplexobj(leaf) and np.size(leaf)
-        ]
+        float_at, complex_at = _positions(leaves)
         grads = [jnp.asarray(leaves[i]) for i in float_at]
-        n = sum(g.size for g in grads)
-        _check_size(n)
-        if n == 0 and not complex_at:
+        if not any(g.size for g in grads) and not complex_at:
             return updates, state._replace(count=next_count(state.count))
-        devices = _devices(axis_name)
-        form = residuals.choose(layout_lib.resolve(layout, grads), shards)
-        if error_feedback:
-            form = _check_layout(layout, state.residual, shards is not None)
-        parts = layout_lib.plan(grads, form.layout, bucket_bytes, by_leaf)
-        if error_feedback:
-            form.check(state.residual, updates, parts)
-        others = [jnp.asarray(leaves[i]) for i in complex_at]
+        copies = hierarchy.devices(axis_name) * node.copies
+        form, parts = _form_and_parts(state.residual, updates, grads)
 
         with jax.named_scope("pack"):
-            g = layout_lib.pack(parts, grads)
-            if inner_axis is not None:
-                # Hierarchical: the node's mean first, over the fast links; every
-                # device of the node then compresses the same vector identically,
-                # or (sharded) its own slice of it.
-                _devices(inner_axis)
-                if shards is not None:
-                    slices.check_bound(inner_axis, shards)
-                    g = slices.scatter(g, parts, inner_axis, shards)
-                    others = lax.pmean(others, inner_axis)
-                else:
-                    g, others = lax.pmean((g, others), inner_axis)
-            # Without error feedback a scalar zero stands in: a full-size one was written
-            # and read on every step (passes' barriers keep XLA from folding it).
-            r = [jnp.zeros((), p.dtype) for p in parts]
+            others = [jnp.asarray(leaves[i]) for i in complex_at]
+            g, others = node.pack(layout_lib.pack(parts, grads), others, parts)
+            r = [jnp.zeros((), p.dtype) for p in parts]  # a full-size zero costs a pass
             if error_feedback:
                 r = form.parts(state.residual, parts, float_at)
         fed = feedback.error_feedback(list(zip(g, r, strict=True)), others, error_feedback)
-
         key = jax.random.fold_in(jax.random.key(seed), state.count)
-        leaf_info = [(i, grads[i].dtype, grads[i].size) for p in parts for i in p.leaves]
-        spans = None
-        if shards is not None:
-            spans = slices.spans(parts, [s for *_, s in leaf_info], inner_axis, shards)
-        chosen = selection.select(
-            rule,
-            fed.u,
-            fed.abs_sums,
-            state.rule,
-            key,
-            leaf_info,
-            len(grads) if by_leaf else None,
-            spans,
-        )
-        region_key = jax.random.fold_in(key, len(parts) if by_leaf else 1)
-        reselect = _reselect(rule, state.rule, region_key)
-        everyone = axis_name  # the axes the step's figures are agreed over
-        if shards is not None:
-            everyone = (*axis_names(axis_name), *axis_names(inner_axis))
+        chosen = _select(fed, state.rule, key, parts, grads)
+        reselect = _reselect(rule, state.rule, key, len(parts) if by_leaf else 1)
+        agreed = node.agreed(axis_name)  # the axes the step's figures are agreed over
         done = aggregate_lib.aggregate(
-            chosen, fed, others, axis_name, communication, link, reselect, wire, everyone
+            chosen, fed, others, axis_name, communication, link, reselect, wire, agreed
         )
         left = feedback.write_back(
             fed.u, done.figures.finite, done.sent, done.kept, [x.size for x in fed.u]
         )
 
         with jax.named_scope("unpack"):
-            if shards is not None:
-                done = done._replace(mean=slices.gather(done.mean, parts, inner_axis))
+            done = done._replace(mean=node.unpack(done.mean, parts))
             out = _unpack(parts, leaves, float_at, complex_at, done)
             residual = state.residual
             if error_feedback:
                 residual = form.store(state.residual, parts, left, float_at)
-        copies = devices if shards is None else devices * shards
         last = _metrics(ratio, done, sum(x.size for x in fed.u) * copies)
-        new_state = CompressState(
-            residual, next_count(state.count), last, rule.observe(state.rule, last)
-        )
+        observed = rule.observe(state.rule, last)
+        new_state = CompressState(residual, next_count(state.count), last, observed)
         return jax.tree.unflatten(treedef, out), new_state
+
+    def _form_and_parts(residual, updates, grads):
+        """The residual's form, checked against the options and the gradient, and the parts."""
+        _check_size(sum(g.size for g in grads))
+        form = residuals.choose(layout_lib.resolve(layout, grads), shards)
+        if error_feedback:
+            form = _check_layout(layout, residual, shards is not None)
+        parts = layout_lib.plan(grads, form.layout, bucket_bytes, by_leaf)
+        if error_feedback:
+            form.check(residual, updates, parts)
+        return form, parts
+
+    def _select(fed, rule_state, key, parts, grads):
+        """The select phase: the rule over all parts, or over each leaf's own."""
+        leaf_info = [(i, grads[i].dtype, grads[i].size) for p in parts for i in p.leaves]
+        spans = node.spans(parts, [size for *_, size in leaf_info])
+        groups = len(grads) if by_leaf else None
+        return selection.select(
+            rule, fed.u, fed.abs_sums, rule_state, key, leaf_info, groups, spans
+        )
 
     compressed = optax.GradientTransformationExtraArgs(init, update)
     if not (isinstance(warmup_steps, int) and warmup_steps == 0):
