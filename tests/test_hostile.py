@@ -123,6 +123,18 @@ def test_dense_skips_nonfinite_steps_on_every_device(rng):
     assert not np.any(np.asarray(updates)) and bool(np.asarray(state.last.nonfinite))
 
 
+@pytest.mark.parametrize("communication", ["sparse", "sparse_allreduce", "dense"])
+def test_large_finite_gradients_on_every_device_give_a_finite_update(communication):
+    # The sparse all-reduce's owners summed the devices' values before dividing: 8 x 1e38
+    # gave an infinite update and a non-finite residual, with the nonfinite flag down.
+    grads = {"w": np.full((DEVICES, 64), 1e38, np.float32)}
+    tx = sidco.compress(0.25, axis_name=AXIS, communication=communication)
+    updates, state = run_8_devices(tx, grads)
+    np.testing.assert_allclose(np.asarray(updates["w"]).max(), 1e38, rtol=1e-6)
+    assert np.all(np.isfinite(updates["w"])) and np.all(np.isfinite(state.residual["w"]))
+    assert not bool(np.asarray(state.last.nonfinite).any())
+
+
 def zeros(**shapes):
     """A tree of float32 zeros; an int shape entry ``("int", n)`` gives an int32 leaf."""
     return {
@@ -132,20 +144,44 @@ def zeros(**shapes):
 
 
 @pytest.mark.parametrize(
-    ("seen", "given", "message"),
+    ("seen", "given", "tree", "buckets"),
     [
-        (zeros(a=(10,), b=(5,)), zeros(a=(5,), b=(10,)), r"\['a'\].*\(5,\).*init saw.*\(10,\)"),
-        (zeros(a=(10,), b=(5,)), zeros(a=(10,), b=(6,)), r"\['b'\].*\(6,\).*init saw.*\(5,\)"),
-        (zeros(a=(10,)), zeros(a=(10,), b=(5,)), r"structure.*does not match.*init"),
-        (zeros(a=(4,), i=("int", 3)), zeros(a=(4,), i=(3,)), r"\['i'\].*float32.*init saw a non-"),
+        (
+            zeros(a=(10,), b=(5,)),
+            zeros(a=(5,), b=(10,)),  # as many entries
+            r"\['a'\].*\(5,\).*init saw.*\(10,\)",
+            r"init saw: leaf a is \(5,\) float32, not \(10,\)",
+        ),
+        (
+            zeros(a=(10,), b=(5,)),
+            zeros(a=(10,), b=(6,)),
+            r"\['b'\].*\(6,\).*init saw.*\(5,\)",
+            r"init saw: leaf b is \(6,\)",
+        ),
+        (
+            zeros(a=(10,), b=(5,)),
+            zeros(a=(10,), c=(5,)),
+            r"structure.*does not match.*init",
+            "init saw: leaf c stands where b was",
+        ),
+        (zeros(a=(10,)), zeros(a=(10,), b=(5,)), "structure.*does not match.*init", "b is new"),
+        (
+            zeros(a=(4,), i=("int", 3)),
+            zeros(a=(4,), i=(3,)),
+            r"\['i'\].*float32.*init saw a non-",
+            "init saw: leaf i is new",
+        ),
     ],
 )
-def test_a_gradient_tree_unlike_the_one_given_to_init_is_refused(seen, given, message):
+@pytest.mark.parametrize("layout", ["tree", "buckets"])
+def test_a_gradient_tree_unlike_the_one_given_to_init_is_refused(
+    seen, given, tree, buckets, layout
+):
     # Defect 5: the same total size silently applied the residual to the wrong entries.
     for name in ["sidco-e", "topk", "randomk"]:
-        tx = sidco.compressor(name, 0.1)
+        tx = sidco.compressor(name, 0.1, layout=layout)
         state = tx.init(seen)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=tree if layout == "tree" else buckets):
             tx.update(given, state)
 
 

@@ -97,7 +97,7 @@ def _check_layout(asked: str, residual, sharded: bool) -> residuals.Form:
 
 
 def _reselect(rule: Rule, rule_state, key, used: int):
-    """The owner's selection in the sparse all-reduce: the same rule on its region's sum.
+    """The owner's selection in the sparse all-reduce: the same rule on its region's mean.
 
     Its key follows the ``used`` keys of the step's own selections.
     """

@@ -71,9 +71,10 @@ class Cut(NamedTuple):
                 return f"leaf {_name(there)} stands where {_name(path)} was"
             if mine != theirs:
                 return f"leaf {_name(path)} is {_leaf(*theirs)}, not {_leaf(*mine)}"
-        if len(self.paths) != len(other.paths):
-            return f"{len(other.paths)} leaves with entries, not {len(self.paths)}"
-        return None
+        mine, theirs = len(self.paths), len(other.paths)
+        if theirs > mine:
+            return f"leaf {_name(other.paths[mine])} is new"
+        return f"leaf {_name(self.paths[theirs])} is missing" if theirs < mine else None
 
     def difference(self, other: "Cut") -> str | None:
         """What ``other`` changes: a leaf (:meth:`moved`), the sharing or the buckets; or None."""

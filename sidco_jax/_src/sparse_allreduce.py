@@ -9,13 +9,15 @@ owned by device ``i`` along the axis, and one step is
    to ``s = ceil(2k / P)`` of its entries with one ``lax.all_to_all`` (fixed
    slots: static shapes). Entries that do not fit are not sent and stay in the
    sender's residual;
-2. **reduce**: each owner sums what it received into its region and selects
+2. **reduce**: each owner averages what it received into its region and selects
    again, with the compressor's own rule at the same ratio (about ``k / P``
-   slots). What the owner does not send stays in *its* residual, so nothing
-   is lost globally: over the steps, ``P`` x the updates plus every residual
-   sum to every gradient;
+   slots);
 3. **gather**: one ``all_gather`` of the reduced regions, scattered into the
-   mean, identical on every device.
+   mean, identical on every device. From it each device also learns which of
+   its routed entries their owners sent on: the others stay in its own
+   residual, so nothing is lost (over the steps, ``P`` x the updates plus
+   every residual sum to every gradient), and no residual holds a sum of
+   several devices' entries, which could overflow.
 
 Each device receives about ``(s + k / P) x (P - 1) x 8 <= 3 k x 8`` bytes
 with float32 values and int32 indices. In a compact wire format (:mod:`codecs`)
@@ -57,11 +59,12 @@ class Reduced(NamedTuple):
     Attributes:
       mean: the mean update, one float32 vector per size, invariant across
         the axis.
-      sent: ``(indices, values)`` this device routed, global indices
-        (``size``: padding), values as their owners decode them.
+      sent: ``(indices, values)`` this device routed and their owners sent
+        on, global indices (``size``: padding), values as the owners decode
+        them.
       kept: ``(indices, values)`` pairs to add back to this device's
-        residual: the entries it received as an owner and did not send on,
-        and what the rounding of its reduced payload lost.
+        residual: what the rounding of its reduced payload lost, times the
+        devices (the residuals owe the sum).
       message: static bytes this device sends.
     """
 
@@ -112,6 +115,16 @@ def _all_to_all(message: codecs.Message, axis_name: AxisName) -> codecs.Message:
     return jax.tree.map(lambda x: lax.all_to_all(x, axis_name, 0, 0, tiled=True), message)
 
 
+def _sent_on(routed: jax.Array, reduced: jax.Array, size: int) -> jax.Array:
+    """``routed`` (a row of global indices per owner), where the owner sent the entry on,
+    else the padding ``size``: what an owner did not select stays in its sender's residual,
+    which owes it, and no owner's residual ever holds a sum of devices' entries."""
+    reduced = jnp.sort(reduced, axis=1)
+    at = jax.vmap(jnp.searchsorted)(reduced, routed)
+    found = jnp.take_along_axis(reduced, jnp.minimum(at, reduced.shape[1] - 1), axis=1)
+    return jnp.where((found == routed) & (routed < size), routed, size)
+
+
 def exchange(
     routed: Routed,
     sizes: Sequence[int],
@@ -125,7 +138,7 @@ def exchange(
       routed: the payload :func:`route` sorted on this device (values already gated).
       sizes: lengths of the dense vectors (one per gradient leaf).
       axis_name: the mesh axis (or tuple of axes) to average over.
-      reselect: the owner's selection: given its region's float32 sum, a
+      reselect: the owner's selection: given its region's float32 mean, a
         payload indexed within the region (the region's length = padding).
       wire: the :class:`~sidco_jax._src.codecs.Codec` of both messages.
 
@@ -140,36 +153,30 @@ def exchange(
     codec = wire.at(slots, region)
     relative = jnp.where(routed.indices < size, routed.indices - owners, region)
     message = codec.encode(routed.values, relative, region)
-    sent = (routed.indices.reshape(-1), codec.decode_values(message, slots).reshape(-1))
+    routed_values = codec.decode_values(message, slots)
     values, local = codec.decode(_all_to_all(message, axis_name), slots, region)
     values, local = values.reshape(-1), local.reshape(-1)
 
-    start = lax.axis_index(axis_name) * region
-    summed = jnp.zeros(region, values.dtype).at[local].add(values, mode="drop")
-    chosen = reselect(summed)
-    picked = jnp.zeros(region, bool).at[chosen.indices].set(True, mode="drop")
-    keep = (local < region) & ~picked[jnp.minimum(local, region - 1)]
+    # Each value divided before the sum, as the other modes do: devices x 1e38 overflow.
+    mean = jnp.zeros(region, values.dtype).at[local].add(values / devices, mode="drop")
+    chosen = reselect(mean)
 
     # Reduced: one row per owner, relative to its region, then made global.
     reduced_slots = chosen.values.shape[0]
     reduced_codec = wire.at(reduced_slots, region)
     mine = reduced_codec.encode(chosen.values[None], chosen.indices[None], region)
-    rounding = chosen.values - reduced_codec.decode_values(mine, reduced_slots)[0]
+    # The rounding, kept as the devices' share of it (the residuals owe the sum).
+    rounding = (chosen.values - reduced_codec.decode_values(mine, reduced_slots)[0]) * devices
     gathered = jax.tree.map(lambda x: x[:, 0], collectives.all_gather(mine, axis_name))
     share, reduced = reduced_codec.decode(gathered, reduced_slots, region)
     # The region may run past the last entry; those slots hold zeros: dropped.
     reduced = jnp.where(reduced < region, reduced + owners, size)
-    reduced = jnp.where(reduced < size, reduced, size).reshape(-1)
-
-    def global_(at):
-        return jnp.where(at < region, at + start, size)
+    reduced = jnp.where(reduced < size, reduced, size)
+    start = lax.axis_index(axis_name) * region
 
     return Reduced(
-        mean=payload_lib.scatter((share / devices).reshape(-1), reduced, sizes),
-        sent=sent,
-        kept=[
-            (jnp.where(keep, local + start, size), jnp.where(keep, values, 0.0)),
-            (global_(chosen.indices), rounding),
-        ],
+        mean=payload_lib.scatter(share.reshape(-1), reduced.reshape(-1), sizes),
+        sent=(_sent_on(routed.indices, reduced, size).reshape(-1), routed_values.reshape(-1)),
+        kept=[(jnp.where(chosen.indices < region, chosen.indices + start, size), rounding)],
         message=codec.bytes(slots, region, devices) + reduced_codec.bytes(reduced_slots, region),
     )
