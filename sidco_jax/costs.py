@@ -5,23 +5,22 @@ functions are public so that a job can be planned before it runs (see
 ``benchmarks/scale.py`` and docs/distributed.md, "Past one node").
 """
 
-from sidco_jax._src.costs import (
-    DEFAULT_LINK,
-    NODE_LINK,
-    ROUTE_SLACK,
-    Link,
-    Plan,
-    choose,
-    hierarchical_seconds,
-    message_bytes,
-    messages,
-    plan,
-    received_bytes,
-    seconds,
-)
+from sidco_jax._src import costs as _costs
+from sidco_jax._src.costs import DEFAULT_LINK, MODES, NODE_LINK, ROUTE_SLACK, Link, Plan
+
+# Checked where a person calls them (a bad argument raises, naming it and what is allowed);
+# the library calls the unchecked ones with options checked at construction.
+choose = _costs.validated(_costs.choose)
+hierarchical_seconds = _costs.validated(_costs.hierarchical_seconds)
+message_bytes = _costs.validated(_costs.message_bytes)
+messages = _costs.validated(_costs.messages)
+plan = _costs.validated(_costs.plan)
+received_bytes = _costs.validated(_costs.received_bytes)
+seconds = _costs.validated(_costs.seconds)
 
 __all__ = [
     "DEFAULT_LINK",
+    "MODES",
     "NODE_LINK",
     "ROUTE_SLACK",
     "Link",

@@ -164,6 +164,30 @@ CASES = [
     bad(sidco.capacity, 100, 0.1, capacity_factor=INF, error=ValueError,
         name="capacity_factor", value="inf"),
     bad(sidco.stats.max_stages, "0.1", error=TypeError, name="ratio", value="'0.1'"),
+    # The cost model: a misspelt mode was priced as another, zero devices or bandwidth
+    # divided by zero, negative or NaN inputs gave negative or NaN seconds.
+    bad(sidco.costs.seconds, "sprase", 100, 10, 8, error=ValueError, name="mode",
+        value="'sprase'"),
+    bad(sidco.costs.seconds, "dense", 100, 10, 0, error=ValueError, name="devices", value="0"),
+    bad(sidco.costs.seconds, "dense", 100, 10, 8, sidco.costs.Link(5e-6, 0.0),
+        error=ValueError, name="link.bandwidth", value="0.0"),
+    bad(sidco.costs.seconds, "sparse", 100, 10, 8, sidco.costs.Link(NAN, 1e9),
+        error=ValueError, name="link.latency", value="nan"),
+    bad(sidco.costs.received_bytes, "sparse", -5, 10, 8, error=ValueError, name="size",
+        value="-5"),
+    bad(sidco.costs.message_bytes, "sparse", 100, 10, 8, "int4", error=ValueError,
+        name="values", value="'int4'"),
+    bad(sidco.costs.choose, 100, 10, 8, indices="int16", error=ValueError, name="indices",
+        value="'int16'"),
+    bad(sidco.costs.hierarchical_seconds, "sparse", 100, 10, 2, 0, error=ValueError,
+        name="local", value="0"),
+    bad(sidco.costs.choose, 100, 10, 8, link=(5e-6, 1e9), error=TypeError, name="link",
+        value="(5e-06, 1000000000.0)"),
+    # Reading programs: None gave an AttributeError.
+    bad(sidco.hlo.collectives, None, error=TypeError, name="compiled", value="NoneType"),
+    bad(sidco.hlo.kernels, 3, error=TypeError, name="compiled", value="int"),
+    # Wrappers: accumulate(None, k) gave an AttributeError.
+    bad(sidco.accumulate, None, 2, error=TypeError, name="tx", value="NoneType"),
 ]  # fmt: skip
 
 
@@ -288,6 +312,14 @@ def test_traced_stages_are_clipped_to_the_ceiling():
     assert float(by_stages(x, jnp.int32(10**6))) == pytest.approx(want)
     assert float(by_ratio(x, 0.01)) == pytest.approx(want)
     assert float(by_stages(x, jnp.int32(-3))) == pytest.approx(float(sidco.threshold(x, 0.01)))
+
+
+def test_a_lowered_program_is_refused_where_a_compiled_one_is_read():
+    # It returned [] for a program that all-reduces: the lowered text has no collectives yet.
+    lowered = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i").lower(jnp.zeros((1, 4)))
+    for read in (sidco.hlo.collectives, sidco.hlo.kernels, sidco.hlo.launches):
+        with pytest.raises(TypeError, match=r"compiled program.*not the lowered one"):
+            read(lowered)
 
 
 def test_data_parallel_step_names_a_batch_leaf_that_does_not_split_over_the_devices():

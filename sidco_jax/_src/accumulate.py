@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from sidco_jax._src.base import check_integer
+from sidco_jax._src.base import check_integer, check_transformation
 from sidco_jax._src.eager import compiled_when_eager
 
 
@@ -79,7 +79,8 @@ def accumulate(
       through it).
 
     Raises:
-      TypeError: for an ``every_k`` that is not an integer (bools included).
+      TypeError: for a ``tx`` that is not an optax ``GradientTransformation``,
+        or an ``every_k`` that is not an integer (bools included).
       ValueError: for an ``every_k`` outside ``[1, 2**31 - 1]`` or traced.
 
     Examples:
@@ -94,6 +95,7 @@ def accumulate(
       >>> updates  # the mean [2, 0, -2, 0.5], compressed to half its entries
       Array([-2., -0.,  2., -0.], dtype=float32)
     """
+    check_transformation("tx", tx)
     every_k = check_every_k(every_k)
     tx = optax.with_extra_args_support(tx)
 

@@ -392,6 +392,15 @@ def check_seed(seed):
     return check_integer("seed", seed, 0, SEED_MAX)
 
 
+def check_transformation(name: str, tx) -> None:
+    """Raises ``TypeError`` unless ``tx`` is an optax ``GradientTransformation``."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (init and update), got "
+            f"{type(tx).__name__}: pass e.g. optax.sgd(0.1), or sidco.compress(...) as compressor"
+        )
+
+
 def check_choice(name: str, value, allowed: tuple[str, ...], optional: bool = False) -> None:
     """Raises ``ValueError`` unless ``value`` is one of ``allowed`` (or None if ``optional``)."""
     if not ((optional and value is None) or (isinstance(value, str) and value in allowed)):

@@ -28,10 +28,20 @@ sizes and the :class:`Link` a compressor was given, and takes the cheapest
 mode; ``benchmarks/scale.py`` evaluates it past one machine.
 """
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import NamedTuple
 
 from sidco_jax._src import codecs
-from sidco_jax._src.base import VALUE_BYTES, check_number, static
+from sidco_jax._src.base import (
+    VALUE_BYTES,
+    check_bool,
+    check_choice,
+    check_integer,
+    check_number,
+    static,
+)
 
 ROUTE_SLACK = 2  # slots per region owner, in units of an even share k / P
 
@@ -222,3 +232,40 @@ def choose(
         modes,
         key=lambda mode: seconds(mode, size, capacity, devices, link, shared, values, indices),
     )
+
+
+MODES = ("dense", "sparse", "sparse_allreduce")
+
+
+def _checked_link(name: str, link) -> Link:
+    if not isinstance(link, Link):
+        raise TypeError(f"{name} must be a sidco_jax.costs.Link, got {link!r}")
+    return check_link(link)
+
+
+# How each argument of the public functions is checked: they are called to plan a job,
+# with values a person typed; the library's own calls pass values checked at construction.
+_CHECKS: dict[str, Callable] = {
+    "mode": lambda name, v: check_choice(name, v, MODES) or v,
+    "values": lambda name, v: check_choice(name, v, codecs.VALUE_CODECS) or v,
+    "indices": lambda name, v: check_choice(name, v, codecs.INDEX_CODECS) or v,
+    "shared": check_bool,
+    "sharded": check_bool,
+    **{k: _checked_link for k in ("link", "outer", "inner")},
+    **{k: lambda name, v: check_integer(name, v, 1, None) for k in ("size", "capacity")},
+    **{k: lambda name, v: check_integer(name, v, 1, None) for k in ("devices", "nodes", "local")},
+}
+
+
+def validated(function: Callable) -> Callable:
+    """``function`` with every argument checked first, by name (:data:`_CHECKS`)."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = {k: _CHECKS[k](k, v) for k, v in bound.arguments.items()}
+        return function(**arguments)
+
+    return checked

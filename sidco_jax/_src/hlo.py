@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any, NamedTuple
 
+import jax
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -49,6 +51,24 @@ def _bytes(result_type: str) -> int:
     return total
 
 
+def _text(compiled: Any) -> str:
+    """The optimized HLO of a compiled program (or the text itself), refusing anything else."""
+    if isinstance(compiled, str):
+        return compiled
+    if isinstance(compiled, jax.stages.Lowered):
+        raise TypeError(
+            "give the compiled program, jax.jit(f).lower(...).compile(), not the lowered one: "
+            "collectives and kernels are read from the optimized HLO, which a lowered program "
+            "does not have yet"
+        )
+    if not isinstance(compiled, jax.stages.Compiled):
+        raise TypeError(
+            "compiled must be jax.jit(f).lower(...).compile() or its as_text(), got "
+            f"{type(compiled).__name__}"
+        )
+    return compiled.as_text()
+
+
 def collectives(compiled: Any) -> list[Collective]:
     """The cross-device collectives of a compiled computation.
 
@@ -68,7 +88,7 @@ def collectives(compiled: Any) -> list[Collective]:
       >>> [(c.kind, c.operand_bytes) for c in sidco.hlo.collectives(f.lower(x).compile())]
       [('all-reduce', 4000)]
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = _text(compiled)
     found = []
     for line in text.splitlines():
         line = _COMMENT.sub("", line)
@@ -127,7 +147,7 @@ def launches(compiled: Any) -> dict[str, int]:
     Returns:
       ``{kind: count}`` for each of :data:`LAUNCH_KINDS`.
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = _text(compiled)
     counts = dict.fromkeys(LAUNCH_KINDS, 0)
     for line in text.splitlines():
         match = _LAUNCH.match(line.split(", metadata=")[0])
@@ -231,7 +251,7 @@ def kernels(compiled: Any) -> Kernels:
     Returns:
       A :class:`Kernels`.
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = _text(compiled)
     computations, entry = _computations(text)
     memo: dict[tuple[str, bool], int] = {}
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from sidco_jax._src.base import check_integer, next_count, static
+from sidco_jax._src.base import check_integer, check_transformation, next_count, static
 from sidco_jax._src.eager import compiled_when_eager
 
 STATIC_WHY = "decides which steps synchronize and must be static"
@@ -41,14 +41,6 @@ class OuterState(NamedTuple):
     inner: Any
     outer: Any
     exchange: Any
-
-
-def _check_transformation(name: str, tx) -> None:
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(
-            f"{name} must be an optax.GradientTransformation (init and update), got "
-            f"{type(tx).__name__}: pass e.g. optax.sgd(0.1), or sidco.compress(...) as compressor"
-        )
 
 
 def _check_params(params, anchor) -> None:
@@ -162,7 +154,7 @@ def diloco(
       [0.0, 0.0, 0.0]
     """
     for name, tx in (("inner", inner), ("outer", outer), ("compressor", compressor)):
-        _check_transformation(name, tx)
+        check_transformation(name, tx)
     every = check_integer("every", static("every", every, STATIC_WHY), 1)
     inner = optax.with_extra_args_support(inner)
 
