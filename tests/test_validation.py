@@ -314,6 +314,14 @@ def test_traced_stages_are_clipped_to_the_ceiling():
     assert float(by_stages(x, jnp.int32(-3))) == pytest.approx(float(sidco.threshold(x, 0.01)))
 
 
+def test_a_bad_option_is_refused_after_a_good_one_of_equal_value_was_built():
+    # The memo keyed a tuple by its value: Link(True, ...) equals Link(1, ...) and was
+    # handed the transformation built for the good one.
+    sidco.compress(0.1, link=sidco.costs.Link(1, 1e9))
+    with pytest.raises(TypeError, match="link.latency must be a real number"):
+        sidco.compress(0.1, link=sidco.costs.Link(True, 1e9))
+
+
 def test_a_lowered_program_is_refused_where_a_compiled_one_is_read():
     # It returned [] for a program that all-reduces: the lowered text has no collectives yet.
     lowered = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i").lower(jnp.zeros((1, 4)))

@@ -51,13 +51,17 @@ def _hashable(value):
 
     A concrete 0-d array keys by its dtype and value, as
     ``optax.inject_hyperparams`` passes hyperparameters; the type is part of
-    every key, so ``True`` and ``1`` (one refused, one not) never share one.
+    every key, inside tuples too, so ``True`` and ``1`` (one refused, one not)
+    never share one.
     """
     if isinstance(value, jax.core.Tracer):
         return None
     if isinstance(value, jax.Array | np.ndarray | np.generic):
         value = np.asarray(value)
         return ("array", value.dtype.str, value.item()) if value.ndim == 0 else None
+    if isinstance(value, tuple):  # a Link, an axis tuple: typed inside too
+        inner = tuple(_hashable(v) for v in value)
+        return None if None in inner else (type(value), inner)
     try:
         hash(value)
     except TypeError:
