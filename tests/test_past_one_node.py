@@ -189,7 +189,7 @@ def test_an_unbound_inner_axis_names_itself():
     mesh = mesh_of(2)
     tx = sidco.compress(0.1, axis_name=AXIS, inner_axis="local")
     state = sidco.parallel.shard_init(tx, jnp.zeros(64), mesh, AXIS)
-    with pytest.raises(NameError, match="axis_name 'local' is not bound"):
+    with pytest.raises(NameError, match="inner_axis 'local' is not bound"):
         _step_1d(tx, mesh, state)(state, _split(jnp.ones((2, 64)), mesh))
 
 

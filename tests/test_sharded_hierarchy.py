@@ -204,6 +204,17 @@ def test_a_replicated_state_is_refused_by_a_sharded_compressor(rng):
         step(params, state, np.ones((8, 40), np.float32))
 
 
+def test_a_sharded_state_split_over_the_slow_axis_alone_is_refused():
+    # It passed the check and failed in JAX with a hint (check_vma=False) that drops slices.
+    params = jax.device_put(params_tree(), NamedSharding(_mesh(), P()))
+    state = sidco.parallel.shard_init(_sharded(), params, _mesh(), NODE)
+    step = sidco.parallel.data_parallel_step(
+        lambda w, b: jnp.vdot(w["b"], b), _sharded(), state, _mesh(), BOTH, state_axis=NODE
+    )
+    with pytest.raises(ValueError, match=r"inner_shards=4.*state_axis=\('node', 'local'\)"):
+        step(params, state, np.ones((8, 40), np.float32))
+
+
 @pytest.mark.slow
 def test_sharded_checkpoints_round_trip_and_refuse_another_node_size(rng, tmp_path):
     tx = _sharded(values="int8", indices="chunked")

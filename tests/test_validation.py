@@ -322,6 +322,25 @@ def test_a_bad_option_is_refused_after_a_good_one_of_equal_value_was_built():
         sidco.compress(0.1, link=sidco.costs.Link(True, 1e9))
 
 
+def test_an_axis_the_mesh_lacks_is_named_with_the_mesh_s_axes():
+    # per_device and data_parallel_step gave KeyError: 'batch'.
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    tx = sidco.compress(0.1, axis_name="data")
+    state = sidco.parallel.shard_init(tx, jnp.zeros(4), mesh, "data")
+    calls = {
+        "axis_name 'batch'": lambda: sidco.parallel.per_device(jnp.zeros(4), mesh, "batch"),
+        "axis_name \\('data', 'batch'\\)": lambda: sidco.parallel.shard_init(
+            tx, jnp.zeros(4), mesh, ("data", "batch")
+        ),
+        "state_axis 'batch'": lambda: sidco.parallel.data_parallel_step(
+            lambda w, b: jnp.sum(w), tx, state, mesh, "data", state_axis="batch"
+        ),
+    }
+    for named, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{named} names 'batch'.*axes are \('data',\)"):
+            call()
+
+
 def test_a_lowered_program_is_refused_where_a_compiled_one_is_read():
     # It returned [] for a program that all-reduces: the lowered text has no collectives yet.
     lowered = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i").lower(jnp.zeros((1, 4)))

@@ -20,17 +20,17 @@ from sidco_jax._src import slices
 from sidco_jax._src.base import AxisName, axis_names
 
 
-def devices(axis_name) -> int:
-    """Devices along ``axis_name`` (1 for None), with a clear error where it is unbound."""
+def devices(axis_name, name: str = "axis_name") -> int:
+    """Devices along ``axis_name`` (1 for None), with a clear error naming the option ``name``
+    where it is unbound."""
     if axis_name is None:
         return 1
     try:
         return lax.axis_size(axis_name)
     except NameError as error:
         raise NameError(
-            f"axis_name {axis_name!r} is not bound here: call the update inside jax.shard_map "
-            "or jax.pmap over that axis, or build the compressor with axis_name=None to "
-            "compress locally"
+            f"{name} {axis_name!r} is not bound here: call the update inside jax.shard_map "
+            f"or jax.pmap over that axis, or build the compressor with {name}=None"
         ) from error
 
 
@@ -68,7 +68,7 @@ class Averaged(NamedTuple):
     inner_axis: AxisName
 
     def pack(self, g, others, parts):
-        devices(self.inner_axis)  # a clear error where it is unbound
+        devices(self.inner_axis, "inner_axis")  # a clear error where it is unbound
         return lax.pmean((g, others), self.inner_axis)
 
     spans, agreed, unpack, copies = Alone.spans, Alone.agreed, Alone.unpack, Alone.copies
@@ -81,7 +81,7 @@ class Sharded(NamedTuple):
     shards: int
 
     def pack(self, g, others, parts):
-        devices(self.inner_axis)
+        devices(self.inner_axis, "inner_axis")
         slices.check_bound(self.inner_axis, self.shards)
         return (
             slices.scatter(g, parts, self.inner_axis, self.shards),

@@ -22,6 +22,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sidco_jax._src import residuals
 from sidco_jax._src.accumulate import AccumulateState
 from sidco_jax._src.base import AxisName, CompressState
 from sidco_jax._src.outer import OuterState
@@ -156,6 +157,9 @@ def shard_init(
     Returns:
       The optimizer state.
     """
+    _devices_along(mesh, axis_name)
+    if accumulator_axis is not None:
+        _devices_along(mesh, accumulator_axis, "accumulator_axis")
     abstract = jax.eval_shape(tx.init, params)
     specs = state_specs(abstract, axis_name, accumulator_axis=accumulator_axis)
     in_specs = (P() if param_specs is None else param_specs,)
@@ -163,9 +167,16 @@ def shard_init(
     return jax.jit(init)(params)
 
 
-def _devices_along(mesh: Mesh, axis_name: AxisName) -> int:
+def _devices_along(mesh: Mesh, axis_name: AxisName, name: str = "axis_name") -> int:
+    """Devices along ``axis_name``; an axis not in ``mesh`` is refused, naming ``name``."""
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    return math.prod(mesh.shape[name] for name in names)
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"{name} {axis_name!r} names {missing[0]!r}, which is not an axis of the mesh; its "
+            f"axes are {tuple(mesh.axis_names)}"
+        )
+    return math.prod(mesh.shape[n] for n in names)
 
 
 def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -> None:
@@ -176,6 +187,7 @@ def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -
     """
     if jax.tree.structure(opt_state) != jax.tree.structure(one_device):
         return  # shard_map names the difference
+    _check_slices(one_device, mesh, axes)
     given = jax.tree_util.tree_flatten_with_path(opt_state)[0]
     kinds = jax.tree.leaves(_kinds(one_device))
     for (path, leaf), one, kind in zip(given, jax.tree.leaves(one_device), kinds, strict=True):
@@ -189,6 +201,25 @@ def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -
                 f"device, split over {axes[kind]!r}: {devices} devices), got {jnp.shape(leaf)}: "
                 "make the state with sidco.parallel.shard_init(tx, params, mesh, "
                 f"{axes[_RESIDUAL]!r}, accumulator_axis={axes[_ACCUMULATOR]!r})"
+            )
+
+
+def _check_slices(one_device, mesh: Mesh, axes: dict[str, AxisName]) -> None:
+    """Refuses residuals sharded over a node's devices (``inner_shards``) but split over fewer
+    axes than the batch: each device holds its own slice, so they split over every device."""
+    states = jax.tree.leaves(one_device, is_leaf=lambda n: isinstance(n, CompressState))
+    for state in states:
+        if not isinstance(state, CompressState) or state.residual is None:
+            continue
+        if residuals.form_of(state.residual) is not residuals.SLICES:
+            continue
+        if _devices_along(mesh, axes[_RESIDUAL]) != _devices_along(mesh, axes[_ACCUMULATOR]):
+            raise ValueError(
+                f"the compressor shares each node's residual between its devices "
+                f"(inner_shards={state.residual.cut.shards}), so its residual splits over every "
+                f"axis of the batch, {axes[_ACCUMULATOR]!r}, not over state_axis "
+                f"{axes[_RESIDUAL]!r} alone: pass state_axis={axes[_ACCUMULATOR]!r} and make the "
+                f"state with sidco.parallel.shard_init(tx, params, mesh, {axes[_ACCUMULATOR]!r})"
             )
 
 
@@ -349,6 +380,8 @@ def data_parallel_step(
       1.0
     """
     state_axis = axis_name if state_axis is None else state_axis
+    _devices_along(mesh, axis_name)
+    _devices_along(mesh, state_axis, "state_axis")
     specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name)
 
     def step(params, opt_state, batch):
