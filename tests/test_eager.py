@@ -5,6 +5,7 @@ into the process: about 186 mappings a step, until XLA crashes at the
 kernel's limit near 350 steps. These tests count ``/proc/self/maps``.
 """
 
+import contextlib
 import sys
 
 import chex
@@ -76,6 +77,61 @@ def test_an_eager_update_equals_the_jitted_one():
         eager_out, eager_state = tx.update(_grads(i), state, PARAMS)
         out, state = jitted(_grads(i), state, PARAMS)
         chex.assert_trees_all_equal((eager_out, eager_state), (out, state))
+
+
+@contextlib.contextmanager
+def compilations():
+    """A list that counts the programs XLA compiles inside the block."""
+    found = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            found.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield found
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
+INNER = optax.chain(sidco.topk(0.1), optax.sgd(0.1))
+INJECTED = {  # an eager loop under inject_hyperparams: a schedule, or constants
+    "schedule": lambda: optax.inject_hyperparams(
+        sidco.compress, static_args=("ratio", "capacity_factor")
+    )(0.01, first_ratio=lambda count: 0.25 + 0.01 * count, seed=lambda count: count),
+    "capacity_factor injected": lambda: optax.inject_hyperparams(
+        sidco.topk, static_args=("ratio",)
+    )(0.01, seed=lambda count: count),
+    "accumulate": lambda: optax.inject_hyperparams(sidco.accumulate)(INNER, every_k=2),
+    "diloco": lambda: optax.inject_hyperparams(sidco.diloco)(
+        optax.sgd(0.1), optax.sgd(0.7), every=2, compressor=sidco.topk(0.1)
+    ),
+}
+
+
+@pytest.mark.parametrize("loop", list(INJECTED))
+def test_an_eager_loop_under_inject_hyperparams_compiles_once(loop):
+    # A schedule's new value on every step recompiled the update every step (about a
+    # second each); accumulate and diloco did so even with constants.
+    tx = INJECTED[loop]()
+    state = tx.init(PARAMS)
+    for i in range(2):
+        _, state = tx.update(_grads(i), state, PARAMS)
+    with compilations() as compiled:
+        for i in range(2, 6):
+            _, state = tx.update(_grads(i), state, PARAMS)
+    assert compiled == []
+
+
+def test_an_injected_schedule_updates_as_under_jit():
+    tx = INJECTED["schedule"]()
+    state = jitted_state = tx.init(PARAMS)
+    jitted = jax.jit(tx.update)
+    for i in range(3):
+        out, state = tx.update(_grads(i), state, PARAMS)
+        want, jitted_state = jitted(_grads(i), jitted_state, PARAMS)
+        chex.assert_trees_all_equal((out, state), (want, jitted_state))
 
 
 def test_equal_arguments_build_the_same_transformation():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from sidco_jax._src import memo
 from sidco_jax._src.base import check_integer, check_transformation
 from sidco_jax._src.eager import compiled_when_eager
 
@@ -50,6 +51,7 @@ def check_every_k(every_k) -> int:
     return check_integer("every_k", every_k, 1)
 
 
+@memo.memoized
 def accumulate(
     tx: optax.GradientTransformation, every_k: int
 ) -> optax.GradientTransformationExtraArgs:

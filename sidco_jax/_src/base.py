@@ -233,17 +233,29 @@ def is_float(leaf) -> bool:
     return jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
 
 
+class StaticOptionError(ValueError):
+    """An option that cannot vary was traced; ``name`` names it."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
 def static(name: str, value, why: str = "sets the payload shape and must be static"):
     """Returns ``value``, or raises a clear error if an option that cannot vary is traced.
 
     ``why`` says what the option does that a traced value could not: by
     default, set a shape.
+
+    Raises:
+      StaticOptionError: a ``ValueError`` naming the option, where it is traced.
     """
     if isinstance(value, jax.core.Tracer):
         listed = tuple(dict.fromkeys(("ratio", "capacity_factor", name)))
-        raise ValueError(
+        raise StaticOptionError(
+            name,
             f"{name} {why}; with optax.inject_hyperparams list it in static_args, "
-            f"e.g. static_args={listed}"
+            f"e.g. static_args={listed}",
         )
     return value
 

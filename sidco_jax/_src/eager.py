@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 
-def _eager(*trees) -> bool:
+def is_eager(*trees) -> bool:
     """Whether every leaf is a concrete array or Python number (no tracer, nothing else)."""
     leaves = jax.tree.leaves(trees)
     return all(
@@ -36,7 +36,7 @@ def compiled_when_eager(
     compiled = jax.jit(tx.update)
 
     def update(updates, state, params=None, **extra_args):
-        run = compiled if _eager(updates, state, params, extra_args) else tx.update
+        run = compiled if is_eager(updates, state, params, extra_args) else tx.update
         return run(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(tx.init, update)

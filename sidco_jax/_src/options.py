@@ -5,15 +5,11 @@ Each factory (:func:`~sidco_jax.compress`, :func:`~sidco_jax.topk`, ...,
 :class:`LoopOptions`; :func:`takes_loop_options` lists them in its signature.
 """
 
-import collections
 import functools
 import inspect
 from typing import TypedDict
 
-import jax
-import numpy as np
-
-from sidco_jax._src import codecs, costs
+from sidco_jax._src import codecs, costs, memo
 from sidco_jax._src.base import AxisName, Communication, Granularity
 from sidco_jax._src.layout import Layout
 from sidco_jax._src.loop import sparsifier
@@ -43,56 +39,6 @@ class LoopOptions(TypedDict, total=False):
 
 
 LOOP_OPTIONS: tuple[str, ...] = tuple(LoopOptions.__annotations__)
-BUILT = 64  # transformations kept per factory for calls with equal arguments
-
-
-def _hashable(value):
-    """``value`` as a hashable key, or None where it is traced or unhashable.
-
-    A concrete 0-d array keys by its dtype and value, as
-    ``optax.inject_hyperparams`` passes hyperparameters; the type is part of
-    every key, inside tuples too, so ``True`` and ``1`` (one refused, one not)
-    never share one.
-    """
-    if isinstance(value, jax.core.Tracer):
-        return None
-    if isinstance(value, jax.Array | np.ndarray | np.generic):
-        value = np.asarray(value)
-        return ("array", value.dtype.str, value.item()) if value.ndim == 0 else None
-    if isinstance(value, tuple):  # a Link, an axis tuple: typed inside too
-        inner = tuple(_hashable(v) for v in value)
-        return None if None in inner else (type(value), inner)
-    try:
-        hash(value)
-    except TypeError:
-        return None
-    return (type(value), value)
-
-
-def _memoized(factory):
-    """``factory`` returning the transformation it built before for equal arguments.
-
-    ``optax.inject_hyperparams`` calls the factory on every update; the same
-    transformation each time keeps its compiled update (:mod:`eager`) from
-    being compiled again.
-    """
-    built = collections.OrderedDict()
-
-    @functools.wraps(factory)
-    def cached(*args, **options):
-        names = sorted(options)
-        keys = [_hashable(v) for v in (*args, *(options[k] for k in names))]
-        if any(k is None for k in keys):
-            return factory(*args, **options)
-        key = (len(args), tuple(names), tuple(keys))
-        if key not in built:
-            built[key] = factory(*args, **options)
-            if len(built) > BUILT:
-                built.popitem(last=False)
-        built.move_to_end(key)
-        return built[key]
-
-    return cached
 
 
 def takes_loop_options(factory):
@@ -109,7 +55,7 @@ def takes_loop_options(factory):
     own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     signature = signature.replace(parameters=[*own, *loop])
     allowed = tuple(p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY)
-    build = _memoized(factory)
+    build = memo.memoized(factory)
 
     @functools.wraps(factory)
     def with_options(*args, **options):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from sidco_jax._src import memo
 from sidco_jax._src.base import check_integer, check_transformation, next_count, static
 from sidco_jax._src.eager import compiled_when_eager
 
@@ -91,6 +92,7 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.array(True)]))
 
 
+@memo.memoized
 def diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
