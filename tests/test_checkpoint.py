@@ -7,6 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -304,6 +305,32 @@ def test_a_residual_with_nonfinite_entries_warns_at_restore(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sidco.restore(tmp_path / "good", (params, state))
+
+
+def test_concurrent_saves_to_one_path_leave_the_winner_s_checkpoint(tmp_path):
+    # Threads shared orbax's temporary directory: one save returned normally and the
+    # checkpoint restored to the data of another, whose save had raised.
+    path, ready = tmp_path / "ckpt", threading.Barrier(4)
+    outcomes = {}
+
+    def save(i):
+        ready.wait()
+        try:
+            sidco.save(path, {"w": jnp.full(1000, float(i))})
+            outcomes[i] = "saved"
+        except FileExistsError as error:
+            outcomes[i] = str(error)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (winner,) = [i for i, outcome in outcomes.items() if outcome == "saved"]
+    assert all("cannot save to" in o for i, o in outcomes.items() if i != winner), outcomes
+    restored = sidco.restore(path, {"w": jnp.zeros(1000)})
+    np.testing.assert_array_equal(restored["w"], np.full(1000, float(winner)))
+    assert not list(tmp_path.glob("*.sidco-saving"))
 
 
 def test_without_orbax_save_names_the_extra_to_install(tmp_path, monkeypatch):

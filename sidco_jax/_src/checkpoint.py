@@ -17,8 +17,10 @@ of every shard, so that :func:`restore` refuses a changed model or damaged
 data instead of reading them back as other numbers.
 """
 
+import contextlib
 import math
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -77,7 +79,8 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         subtree.
 
     Raises:
-      FileExistsError: if ``path`` already exists.
+      FileExistsError: if ``path`` already exists, or another save to it is
+        running (one wins; what restores is what it saved).
       NotADirectoryError: if an existing ancestor of ``path`` is a file.
       PermissionError: if the nearest existing ancestor of ``path`` is not
         writable.
@@ -89,12 +92,52 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     # Orbax refuses zero-size arrays (the residual of an integer parameter is one):
     # they hold nothing, and restore rebuilds them from the target.
     tree = jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
-    with storage.checkpointer() as checkpointer:
+    with _claimed(path), storage.checkpointer() as checkpointer:
+        _check_destination(path)  # again, now that no other save can start
         try:
             storage.save(checkpointer, path, tree)
         except Exception as error:
             error.add_note(f"sidco_jax.save: saving to {path} failed")
             raise
+
+
+_SAVING: set[str] = set()  # the paths this process is saving to
+_SAVING_LOCK = threading.Lock()
+_CLAIM = ".sidco-saving"  # beside the checkpoint, while a save to it runs
+
+
+@contextlib.contextmanager
+def _claimed(path: str):
+    """Holds ``path`` for one save: another save to it, from this process (a thread) or
+    another job, raises instead of sharing orbax's temporary directory.
+
+    In a multi-process run every process saves to the same path: process 0 claims it for all.
+
+    Raises:
+      FileExistsError: if a save to ``path`` is running.
+    """
+    with _SAVING_LOCK:
+        if path in _SAVING:
+            raise FileExistsError(f"cannot save to {path}: another save to it is running")
+        _SAVING.add(path)
+    claim = None
+    try:
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.close(os.open(path + _CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                raise FileExistsError(
+                    f"cannot save to {path}: another process is saving to it ({path}{_CLAIM} "
+                    "exists; if no save is running, one that crashed left it: delete it)"
+                ) from None
+            claim = path + _CLAIM
+        yield
+    finally:
+        if claim is not None:
+            os.remove(claim)
+        with _SAVING_LOCK:
+            _SAVING.discard(path)
 
 
 def _abstract(leaf):
