@@ -583,6 +583,20 @@ def test_a_pickle_in_a_checkpoint_runs_nothing(tmp_path, name):
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [(b"sharding_type", b"sharding_tyxe", "KeyError"), (b"SingleDevice", b"SinxleDevice", "Not")],
+)
+def test_a_flipped_letter_in_orbax_s_json_is_a_damaged_checkpoint(tmp_path, old, new, error):
+    # The JSON stays valid: orbax raised a bare KeyError or NotImplementedError.
+    tree = small_state()
+    sidco.save(tmp_path / "ckpt", tree)
+    sharding = tmp_path / "ckpt" / "_sharding"
+    sharding.write_bytes(sharding.read_bytes().replace(old, new, 1))
+    with pytest.raises(ValueError, match=rf"ckpt is not a complete .*orbax met {error}"):
+        sidco.restore(tmp_path / "ckpt", tree)
+
+
 def edit_manifest(record, change):
     """``record`` (a process's manifest) with ``change`` applied to its first leaf."""
     leaf = record["leaves"][0]

@@ -154,12 +154,16 @@ def read(checkpointer, path: str, wanted, folders: dict):
 
 
 def _damaged(path: str, error: Exception, doing: str, folders=None) -> Exception:
-    """A ValueError naming ``path`` (and the array) where tensorstore found damaged data.
+    """A ValueError naming ``path`` (and the array) where tensorstore found damaged data,
+    or where orbax met JSON it did not write (a key or a type its files never hold).
 
     Otherwise ``error`` itself: anything else is not the checkpoint's fault.
     The ValueError does not chain ``error``, whose traceback holds orbax's
     abandoned reads (see :func:`_collect_abandoned_reads`).
     """
+    if isinstance(error, KeyError | NotImplementedError):  # JSON still valid after damage
+        reason = f"orbax met {type(error).__name__}: {error} in its JSON files"
+        return manifest.incomplete(path, f"{doing} failed: {reason}")
     cause = error
     while cause is not None and not _DAMAGE.match(str(cause)):
         cause = cause.__cause__ or cause.__context__
