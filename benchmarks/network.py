@@ -201,7 +201,7 @@ def _setup(task, config, name: str, ratio: float, batches: int):
         donate_state=True,
         local_params=local,
     )
-    step, sent = parallel.compile_step(step, params, opt_state, placed[0])
+    step, sent = parallel.compile_step(step, mesh, params, opt_state, placed[0])
     trainer = types.SimpleNamespace(step=step, opt_state=opt_state, bytes_per_step=sent)
     return trainer, params, placed, host
 

@@ -268,3 +268,18 @@ def test_compiled_step_communicates_the_payload_not_the_gradient(ratio):
     found = sidco.hlo.collectives(_train_step(forced, mesh, n))
     assert not any(c.kind == "all-gather" for c in found)
     assert sum(c.operand_bytes for c in found) >= 4 * n
+
+
+def test_collectives_read_both_forms_of_device_groups():
+    # GPU and TPU programs name their groups in the iota form, CPU ones one by one.
+    text = """
+ENTRY %main {
+  %a = f32[16]{0} all-reduce(%p), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%r
+  %b = (f32[16]{0}, f32[64]{0}) all-gather-start(%p), replica_groups=[2,4]<=[4,2]T(1,0)
+  %c = f32[64]{0} all-gather-done(%b)
+}
+"""
+    reduce, gather = sidco.hlo.collectives(text)
+    assert reduce.groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and reduce.group_size == 2
+    assert gather.groups == ((0, 2, 4, 6), (1, 3, 5, 7)) and gather.group_size == 4
+    assert (gather.operand_bytes, gather.result_bytes) == (64, 256)

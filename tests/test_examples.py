@@ -2,8 +2,11 @@
 
 import gzip
 import importlib
+import os
 import pathlib
 import pickle
+import subprocess
+import sys
 
 import chex
 import jax
@@ -48,6 +51,17 @@ def test_outer_steps_every_step_with_plain_sgd_train_as_the_compressed_step(tmp_
         [*flags, "--outer-every", "3", "--compressors", "sidco-e", "--workdir", str(tmp_path)]
     )
     assert rare.bytes_per_step == plain.bytes_per_step // 3  # an exchange every 3 steps
+    assert diloco.parameters == plain.parameters  # one copy counted, not one per device
+
+
+@pytest.mark.slow
+def test_with_nodes_the_bytes_reported_are_those_that_cross_the_nodes(tmp_path):
+    # They counted each node's dense traffic over its fast links too: "/ dense 0.8367".
+    flags = ["--config", "tiny", "--capture-steps", "--steps", "2", "--nodes", "2"]
+    compressed, dense = cnn_main.main([*flags, "--compressors", "sidco-e", "dense"])
+    slice_bytes = 4 * -(-compressed.parameters // 4)  # each device's share of the node's mean
+    assert slice_bytes <= dense.bytes_per_step < slice_bytes + 64  # and the agreed figures
+    assert compressed.bytes_per_step < 0.25 * dense.bytes_per_step
 
 
 @pytest.mark.slow
@@ -210,6 +224,15 @@ def test_the_bundled_text_is_english_prose_shipped_offline():
         ),
         (lm_main, ["--config", "tinyy"], "--config: invalid choice: 'tinyy' (choose from"),
         (lm_main, ["--text-limit", "10"], "--text-limit: 10 is below 1000, the least allowed"),
+        # These ended in a 40-line traceback.
+        (cnn_main, ["--ratio", "0"], "--ratio: 0 must be above 0.0"),
+        (cnn_main, ["--ratio", "1.5"], "--ratio: 1.5 is above 1.0, the most allowed"),
+        (cnn_main, ["--ratio", "-0.1"], "--ratio: -0.1 must be above 0.0"),
+        (cnn_main, ["--ratio", "nan"], "--ratio: nan is not a finite number"),
+        (cnn_main, ["--learning-rate", "inf"], "--learning-rate: inf is not a finite number"),
+        (cnn_main, ["--dataset", "mnist", "--data-dir", "/nowhere"], "/nowhere: no such dir"),
+        (lm_main, ["--text", "/nowhere.txt"], "--text /nowhere.txt: no such file"),
+        (lm_main, ["--values", "int4"], "--values: invalid choice: 'int4' (choose from"),
     ],
 )
 def test_command_line_mistakes_end_in_usage_errors(main, argv, message, capsys):
@@ -234,6 +257,18 @@ def test_help_explains_every_flag_and_keeps_the_examples_as_written(main, capsys
     options = out.split("options:")[1]
     for block in options.split("\n  --")[1:]:
         assert "(default: " in " ".join(block.split()), block
+
+
+@pytest.mark.parametrize("example", ["cnn", "lm"])
+def test_running_the_trainer_s_library_points_to_its_command_line(example):
+    # `python -m examples.cnn.train --help` printed nothing and exited 0.
+    done = subprocess.run(
+        [sys.executable, "-m", f"examples.{example}.train", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 1 and f"run python -m examples.{example}.main" in done.stderr
 
 
 def test_smoothing_invents_no_values_at_the_ends():

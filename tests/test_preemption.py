@@ -118,6 +118,7 @@ def test_a_killed_run_resumes_bit_identically(tmp_path, capsys):
         assert code == -signal.SIGKILL, (tmp_path / f"run{run}.log").read_text()[-3000:]
         assert checkpoints.latest(folder, STEPS) < STEPS
     assert finish(start(tmp_path, 3), tmp_path, 3) == 0, (tmp_path / "run3.log").read_text()
+    assert "sidco-e: resumed at step" in (tmp_path / "run3.log").read_text()
     got, wanted = final_state(folder), final_state(want / "ckpt" / "sidco-e")
     chex.assert_trees_all_equal(got[:2], wanted[:2])  # params, optimizer state, residuals
     assert got[2] == wanted[2]  # losses, densities, accuracies

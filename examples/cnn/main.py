@@ -7,6 +7,8 @@ examples:
   python -m examples.cnn.main --dataset mnist --data-dir ~/data/mnist
 """
 
+import os
+
 from examples.common import cli, compare
 
 FROM_DIRECTORY = ("mnist", "cifar10")  # datasets read from --data-dir
@@ -16,6 +18,8 @@ def check(config) -> str | None:
     """The error for flags that do not go together, or None."""
     if config.dataset in FROM_DIRECTORY and config.data_dir is None:
         return f"--dataset {config.dataset} reads its files from a directory: pass --data-dir DIR"
+    if config.data_dir is not None and not os.path.isdir(config.data_dir):
+        return f"--data-dir {config.data_dir}: no such directory"
     return None
 
 

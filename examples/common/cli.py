@@ -11,6 +11,7 @@ limits the mesh.
 import argparse
 import dataclasses
 import importlib
+import math
 import os
 import pkgutil
 import typing
@@ -38,11 +39,20 @@ def _kind(annotation):
     return args[0] if args else annotation
 
 
-def _at_least(kind: type, least) -> Callable[[str], typing.Any]:
+def _checked(kind: type, meta: dict) -> Callable[[str], typing.Any]:
+    """``kind`` parsed from a flag's text, within the field's ``min``, ``above`` and ``max``;
+    a float must be finite."""
+
     def parse(text: str):
         value = kind(text)  # a ValueError here is reported by argparse as "invalid value"
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text} is below {least}, the least allowed")
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if "min" in meta and value < meta["min"]:
+            raise argparse.ArgumentTypeError(f"{text} is below {meta['min']}, the least allowed")
+        if "above" in meta and value <= meta["above"]:
+            raise argparse.ArgumentTypeError(f"{text} must be above {meta['above']}")
+        if "max" in meta and value > meta["max"]:
+            raise argparse.ArgumentTypeError(f"{text} is above {meta['max']}, the most allowed")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its error
@@ -67,7 +77,7 @@ def _flag(parser: argparse.ArgumentParser, field: dataclasses.Field, default) ->
     if field.type is bool:
         parser.add_argument(name, action=argparse.BooleanOptionalAction, **options)
         return
-    options["type"] = _at_least(kind, meta["min"]) if "min" in meta else kind
+    options["type"] = _checked(kind, meta) if kind in (int, float) else kind
     if typing.get_origin(field.type) is tuple:
         options["nargs"] = "+" if field.name == "compressors" else "*"
     parser.add_argument(name, **options)

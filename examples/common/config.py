@@ -1,4 +1,4 @@
-"""Options both trainers share; imports nothing heavy, so the CLI can read it before JAX starts.
+"""Options both trainers share; starts no JAX backend, so the CLI can read it first.
 
 Every field carries its ``--help`` text in its metadata (``help``), and
 optionally ``choices`` or ``min`` (the least value an integer flag accepts);
@@ -7,9 +7,12 @@ optionally ``choices`` or ``min`` (the least value an integer flag accepts);
 
 import dataclasses
 
+import sidco_jax as sidco
+
 
 def option(default, help: str, **checks):
-    """A config field with its ``--help`` text and checks (``choices=``, ``min=``)."""
+    """A config field with its ``--help`` text and checks (``choices=``, ``min=``, ``above=``,
+    ``max=``)."""
     return dataclasses.field(default=default, metadata={"help": help, **checks})
 
 
@@ -20,7 +23,17 @@ class Config:
     compressors: tuple[str, ...] = option(
         ("sidco-e", "dense"), "compressors to train with, one run each (same batches and seed)"
     )
-    ratio: float = option(0.01, "target density: the fraction of gradient entries sent")
+    ratio: float = option(
+        0.01, "target density: the fraction of gradient entries sent", above=0.0, max=1.0
+    )
+    values: str = option(
+        "float32", "how a sparse message's values travel (1 byte: int8)", choices=sidco.VALUE_CODECS
+    )
+    indices: str = option(
+        "int32",
+        "how a sparse message's indices travel (chunked: 2 bytes)",
+        choices=sidco.INDEX_CODECS,
+    )
     devices: int = option(8, "data-parallel devices (forces that many CPU devices)", min=1)
     nodes: int = option(
         1,
@@ -36,7 +49,7 @@ class Config:
     process_id: int = option(0, "with --coordinator: this process's node, from 0", min=0)
     steps: int = option(300, "training steps per compressor", min=1)
     batch_per_device: int = option(16, "examples per device per step", min=1)
-    learning_rate: float = option(0.05, "SGD learning rate")
+    learning_rate: float = option(0.05, "SGD learning rate", above=0.0)
     momentum: float = option(0.9, "SGD momentum")
     outer_every: int = option(
         0,
@@ -45,7 +58,9 @@ class Config:
         "every step",
         min=0,
     )
-    outer_learning_rate: float = option(0.7, "with --outer-every: the outer SGD learning rate")
+    outer_learning_rate: float = option(
+        0.7, "with --outer-every: the outer SGD learning rate", above=0.0
+    )
     outer_momentum: float = option(
         0.9, "with --outer-every: the outer SGD's Nesterov momentum (0: none)"
     )

@@ -43,10 +43,24 @@ def compressor_axes(mesh: jax.sharding.Mesh) -> dict:
     return {"axis_name": NODE, "inner_axis": LOCAL, "inner_shards": mesh.shape[LOCAL]}
 
 
-def compile_step(step: Callable, *args) -> tuple[Callable, int]:
-    """``step`` compiled for ``args``, and the bytes one device sends per call (from its HLO)."""
+def compile_step(step: Callable, mesh: jax.sharding.Mesh, *args) -> tuple[Callable, int]:
+    """``step`` compiled for ``args``, and the bytes one device sends per call across nodes.
+
+    Read from its HLO: every collective on a mesh of one axis; on a mesh of
+    nodes only those whose device groups span several nodes (a node's own
+    dense traffic stays on its fast links).
+    """
     compiled = step.lower(*args).compile()
-    return compiled, sum(c.operand_bytes for c in sidco.hlo.collectives(compiled))
+    node = {
+        d.id: i for i, row in enumerate(mesh.devices.reshape(len(mesh.devices), -1)) for d in row
+    }
+    if mesh.axis_names == (AXIS,):
+        node = {d.id: d.id for d in mesh.devices.flat}  # every device is a node of its own
+
+    def across(c) -> bool:
+        return any(len({node[d] for d in group}) > 1 for group in c.groups) or not c.groups
+
+    return compiled, sum(c.operand_bytes for c in sidco.hlo.collectives(compiled) if across(c))
 
 
 def flat_gradient(loss: Callable, params, batch) -> np.ndarray:

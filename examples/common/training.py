@@ -77,6 +77,8 @@ def create_optimizer(
         same optimizer on one device, with no communication.
       **options: keywords of :func:`sidco_jax.compressor` (``warmup_steps=50``, ...).
     """
+    if compressor != "dense":  # dense sends no sparse message
+        options = {"values": config.values, "indices": config.indices, **options}
     compress = sidco.compressor(compressor, config.ratio, axis_name=axis_name, **options)
     sgd = optax.sgd(config.learning_rate, momentum=config.momentum)
     if not config.outer_every:
@@ -128,9 +130,11 @@ class Run:
         The batch it is compiled with is drawn and not trained on, as in every
         run so far, so it comes before :meth:`resume`.
         """
-        compiled, sent = parallel.compile_step(train_step, params, opt_state, self.batch()[1])
+        batch = self.batch()[1]
+        compiled, sent = parallel.compile_step(train_step, self.mesh, params, opt_state, batch)
         self.history.bytes_per_step = sent // max(self.config.outer_every, 1)  # an exchange's share
-        self.history.parameters = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        # With outer steps each device holds its own copy: count one.
+        self.history.parameters = sum(int(np.size(x)) for x in jax.tree.leaves(self._host(params)))
         return compiled
 
     def resume(self, params, opt_state):
@@ -147,6 +151,7 @@ class Run:
         params, opt_state, self.seconds = checkpoints.restore(
             self.folder, self.done, params, opt_state, self.history
         )
+        print(f"{self.history.compressor}: resumed at step {self.done} from {self.folder}")
         for _ in range(self.done):
             self.task.sample(self.data, self.global_batch)
         return params, opt_state

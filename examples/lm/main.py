@@ -5,12 +5,21 @@ examples:
   python -m examples.lm.main --text my_corpus.txt --compressors dense sidco-p topk
 """
 
+import os
+
 from examples.common import cli, compare
+
+
+def check(config) -> str | None:
+    """The error for flags that do not go together, or None."""
+    if config.text != "bundled" and not os.path.isfile(config.text):
+        return f"--text {config.text}: no such file (or 'bundled', the English text shipped here)"
+    return None
 
 
 def main(argv: list[str] | None = None):
     """Parses ``argv`` and trains; returns the histories (one per compressor)."""
-    config, workdir = cli.parse("examples.lm.configs", argv, description=__doc__)
+    config, workdir = cli.parse("examples.lm.configs", argv, description=__doc__, check=check)
     from examples.lm import train  # after cli.parse: it sets the forced CPU device count
 
     return compare.train_and_compare(train, config, workdir)

@@ -130,3 +130,7 @@ def train_and_evaluate(
         params, opt_state, loss = train_step(params, opt_state, batch)
         run.record(t, params, opt_state, loss)  # evaluates and checkpoints when due
     return run.finish()
+
+
+if __name__ == "__main__":  # the trainer's library: the command line is main.py's
+    raise SystemExit(f"{__file__} holds the trainer; run python -m examples.lm.main (--help)")

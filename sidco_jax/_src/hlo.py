@@ -12,6 +12,7 @@ import re
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
@@ -19,7 +20,9 @@ _ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 # "%name = <result type> <kind>(", the result type being an array or a tuple of arrays.
 _OP = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,{}]*\})\}")
+# The iota form: G groups of S devices from iota(dims), transposed by perm, then cut.
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _COMMENT = re.compile(r"/\*.*?\*/")  # long tuples carry /*index=5*/ markers
 
 
@@ -34,6 +37,8 @@ class Collective(NamedTuple):
         a transfer between TPU slices).
       between_slices: whether it crosses the data-center network between TPU
         slices (a multi-slice program sends those as host transfers).
+      groups: the device ids of each group that runs it together (empty
+        where the program does not say).
     """
 
     kind: str
@@ -41,6 +46,7 @@ class Collective(NamedTuple):
     result_bytes: int
     group_size: int
     between_slices: bool = False
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 def _bytes(result_type: str) -> int:
@@ -67,6 +73,23 @@ def _text(compiled: Any) -> str:
             f"{type(compiled).__name__}"
         )
     return compiled.as_text()
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """The device groups of one collective's ``replica_groups``, in either form."""
+    explicit = _GROUPS.search(line)
+    if explicit:
+        rows = re.findall(r"\{([0-9,]*)\}", explicit.group(1))
+        return tuple(tuple(int(d) for d in row.split(",") if d) for row in rows if row)
+    iota = _IOTA.search(line)
+    if iota is None:
+        return ()
+    count, size, dims, perm = iota.groups()
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return tuple(tuple(int(d) for d in row) for row in ids.reshape(int(count), int(size)))
 
 
 def collectives(compiled: Any) -> list[Collective]:
@@ -96,14 +119,14 @@ def collectives(compiled: Any) -> list[Collective]:
         if match is None:
             continue
         result_type, kind, start = match.groups()
-        groups = _GROUPS.search(line)
-        size = len(groups.group(1).split(",")) if groups and groups.group(1) else 1
+        groups = _groups(line)
+        size = len(groups[0]) if groups else 1
         arrays = _ARRAY.findall(result_type)
         if start and kind != "all-reduce" and len(arrays) > 1:  # (operand, result, ...)
             result_type = "{}[{}]".format(*arrays[1])
         result = _bytes(result_type)
         operand = {"all-gather": result // size, "reduce-scatter": result * size}.get(kind, result)
-        found.append(Collective(kind, operand, result, size))
+        found.append(Collective(kind, operand, result, size, groups=groups))
     return found + _between_slices(text)
 
 
