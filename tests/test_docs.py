@@ -34,6 +34,13 @@ def test_the_outer_steps_page_runs(capsys):
     assert capsys.readouterr().out.split() == ["16", "True"]  # 16 steps, the loss went down
 
 
+def test_the_flax_nnx_example_trains(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "optax.md").read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "nnx.Optimizer" in b]
+    exec(block, {})
+    assert capsys.readouterr().out.split() == ["True"]  # the loss went down
+
+
 def test_the_custom_rule_example_is_a_working_compressor(rng):
     import jax
     import numpy as np
