@@ -282,6 +282,37 @@ def test_smoothing_invents_no_values_at_the_ends():
     assert compare.smooth([3.0]).tolist() == [3.0]
 
 
+def test_a_diverged_run_is_left_off_the_chart_and_a_flat_density_is_readable(tmp_path):
+    # Random-k's perplexity reached 5e31 and flattened every other curve; a density of
+    # 1.00000-1.00018 was drawn on a log axis.
+    import matplotlib.image
+
+    steps = list(range(1, 41))
+
+    def history(name, evals):
+        achieved = [1.0 + 1e-5 * (t % 3) for t in steps]
+        return training.History(name, steps, [2.0] * 40, achieved, [20, 40], evals, 0.1, 8, 10)
+
+    runs = [history("sidco-e", [6.0, 5.0]), history("dense", [5.0, 4.0])]
+    runs.append(history("randomk", [1e20, 5e31]))
+    import matplotlib.pyplot as plt
+
+    limits, close = {}, plt.close
+
+    def record(fig):  # each figure's y range, by its title, as it is closed
+        limits[fig.axes[0].get_title()] = (fig.axes[0].get_ylim(), fig.axes[0].get_yscale())
+        close(fig)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plt, "close", record)
+        paths = compare.plots(runs, "perplexity", tmp_path, "validation")
+    (low, high), _ = limits["Validation perplexity"]
+    assert 3.5 < low < 4.0 and 6.0 < high < 6.5
+    (low, high), scale = next(v for k, v in limits.items() if k.startswith("Sent over target"))
+    assert low < 0.9 and high > 1.1 and scale == "linear"  # the target's neighbourhood
+    assert all(matplotlib.image.imread(p).shape[1] == 640 for p in paths)
+
+
 def test_a_series_of_one_point_gets_a_marker():
     import matplotlib
 

@@ -16,13 +16,14 @@ import numpy as np
 from examples.common.training import History, Task
 
 SMOOTHING = 10  # steps in the moving average of the loss and density plots
+DIVERGED = 10.0  # a run past this many times the median run's largest value is off the chart
 
 LEGEND = """\
 - {held_out} {metric}: at the last step, on the held-out {held_out} data
 - final loss: mean training loss over the last 10% of the steps
 - sent/target (median): entries sent over the target ratio, median over the steps (1.00: on target)
 - bytes/step/device: what one device sends per step, read from the compiled step's collectives
-  (with --outer-every N, an exchange's bytes over N)
+  (with --nodes, those that cross the nodes; with --outer-every N, an exchange's bytes over N)
 - / dense: those bytes over dense's
 - s/step: wall-clock seconds per step, evaluation and checkpoints included, compilation excluded"""
 
@@ -99,23 +100,35 @@ def plots(
         ),
         "density": (
             "sent / target density",
-            f"Entries sent over the target ratio ({average})",
+            f"Sent over target density ({average})",
             lambda h: (h.steps, smooth(h.achieved)),
         ),
     }
     paths = []
     for name, (label, title, series) in panels.items():
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for h in histories:
-            if name == "density" and h.compressor == "dense":
-                continue
-            line(ax, *series(h), label=h.compressor)
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        shown = {h.compressor: series(h) for h in histories}
+        if name == "density":
+            shown.pop("dense", None)
+        off = diverged({run: y for run, (_, y) in shown.items()})
+        for run, (x, y) in shown.items():
+            line(ax, x, y, label=f"{run} (diverged, off the chart)" if run in off else run)
+        kept = [np.asarray(y, float) for run, (_, y) in shown.items() if run not in off]
+        values = np.concatenate(kept) if kept else np.ones(1)
+        low, high = np.nanmin(values), np.nanmax(values)
+        if off:
+            margin = 0.05 * (high - low) or 0.05 * abs(high) or 1.0
+            ax.set_ylim(low - margin, high + margin)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         if name == "density":
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-            ax.set_yscale("log")
+            if low > 0 and high / low > 10:
+                ax.set_yscale("log")  # only where the runs span more than a decade
+            else:  # on target, within a few percent: show the target's neighbourhood
+                ax.set_ylim(min(low, 0.9) - 0.02, max(high, 1.1) + 0.02)
+                ax.ticklabel_format(axis="y", useOffset=False)
         ax.legend()
         fig.tight_layout()
         path = workdir / f"{name}.png"
@@ -123,6 +136,24 @@ def plots(
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def diverged(series: dict, factor: float = DIVERGED) -> set:
+    """The runs whose largest value is not finite or passes ``factor`` x the median run's.
+
+    Such a run (random-k's perplexity reaching 5e31) would flatten every other
+    curve: it is drawn, labelled, and left off the chart's range.
+
+    Examples:
+      >>> sorted(diverged({"a": [3.0, 2.0], "b": [3.1, 2.5], "c": [3.0, 5e31]}))
+      ['c']
+    """
+    peaks = {run: np.max(np.asarray(y, float)) for run, y in series.items() if len(y)}
+    finite = [p for p in peaks.values() if np.isfinite(p)]
+    if not finite or np.median(finite) <= 0:
+        return {run for run, p in peaks.items() if not np.isfinite(p)}
+    limit = factor * np.median(finite)
+    return {run for run, p in peaks.items() if not np.isfinite(p) or p > limit}
 
 
 def line(ax, x, y, label: str):
