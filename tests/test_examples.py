@@ -65,10 +65,10 @@ def test_with_nodes_the_bytes_reported_are_those_that_cross_the_nodes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["cnn", "lm"])
-def test_the_step_each_trainer_writes_out_is_the_library_step_bit_for_bit(example):
-    train = importlib.import_module(f"examples.{example}.train")
-    task, config = training.example(f"{example}:tiny")
+def test_the_step_the_cnn_trainer_writes_out_is_the_library_step_bit_for_bit():
+    # The LM trainer runs the library's step itself.
+    train = importlib.import_module("examples.cnn.train")
+    task, config = training.example("cnn:tiny")
     mesh = parallel.mesh(config.devices)
     tx = training.create_optimizer(config, "sidco-e")
     data = np.random.default_rng(config.seed)
