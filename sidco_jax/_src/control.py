@@ -41,20 +41,16 @@ from sidco_jax._src import passes
 
 # The fill correction. Within a step (:func:`bracket`): BRACKET thresholds from
 # eta / BRACKET_SPAN to eta x BRACKET_SPAN, then as many between the chosen one
-# and the next. Nine counts cost about 1.4 passes on XLA's CPU backend,
-# seventeen about 4.
+# and the next; a few more counts in one pass cost little (docs/design.md).
 BRACKET = 9
 BRACKET_SPAN = 2.0
 # Across steps (:func:`fill`): the factor stays while the selection fills the
-# payload without passing FILL_OVER x its capacity. Any aim inside that band
-# fights the bracket, which always selects at least the capacity where it can:
-# aimed at 1.1x, the factor climbed until the bracket's lowest threshold no
-# longer filled the payload (MLP, ratio 0.001). Gain per step on the log of
-# the miss, and the clip of that log.
+# payload without passing FILL_OVER x its capacity. An aim inside that band
+# would fight the bracket, which always selects at least the capacity where it
+# can. Gain per step on the log of the miss, and the clip of that log.
 FILL_OVER = 4.0
-# Slots of the wide selection whose largest entries fill the payload: sending
-# the first entries in index order instead cost the CNN 3-6 points of test
-# accuracy at ratio 0.01 (the later leaves waited in the residual).
+# Slots of the wide selection whose largest entries fill the payload: the first
+# entries in index order would leave the later leaves waiting in the residual.
 FILL_WIDE = 4
 FILL_GAIN = 0.05
 FILL_STEP = 0.5

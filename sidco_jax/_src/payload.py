@@ -568,9 +568,8 @@ def kth_magnitude(vectors: Sequence[jax.Array], k: int) -> jax.Array:
     than ``k`` entries above it and at least ``k`` at or above it: each pass
     counts ``|x| > c`` for ``_WAYS - 1`` candidates ``c`` and keeps the gap
     that holds ``t``, 11 passes in all. Unlike ``lax.top_k``, which sorts on a
-    GPU (three gradient sizes of temporaries for a rarely taken branch, on an
-    H200), it needs nothing of size ``n``. ``0`` where fewer than ``k`` are
-    nonzero.
+    GPU (temporaries of the gradient's size, even for a rarely taken branch),
+    it needs nothing of size ``n``. ``0`` where fewer than ``k`` are nonzero.
     """
     vectors = [v for v in vectors if v.shape[0]]
     (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v.astype(jnp.float32))], op=jnp.max)

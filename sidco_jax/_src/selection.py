@@ -69,7 +69,7 @@ def fill_if_starved(chosen: Selection, vectors, abs_sum) -> Selection:
     payload empty step after step. The exact top-``capacity`` then fills it,
     ties going to the lower index as in top-k; it only runs on such steps. It
     is found by counting passes, not ``lax.top_k``: on a GPU the sort of an
-    untaken branch still reserved three gradient sizes of memory.
+    untaken branch still reserves its temporaries (docs/design.md).
     """
     payload = chosen.payload
     if payload is None or chosen.shared or chosen.filled:
