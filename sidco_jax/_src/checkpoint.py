@@ -123,7 +123,13 @@ def _claimed(path: str):
     claim = None
     try:
         if jax.process_index() == 0:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            parent = os.path.dirname(path)
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except FileExistsError:  # a file on the way, as _check_destination says
+                raise NotADirectoryError(
+                    f"cannot save to {path}: {parent} is not a directory"
+                ) from None
             try:
                 os.close(os.open(path + _CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
