@@ -104,7 +104,7 @@ def _dense_final(problem, step_size: float) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FACTORIES)
 @pytest.mark.parametrize("problem", [_least_squares, _logistic])
-@pytest.mark.parametrize("ratio", [0.05, 0.01])
+@pytest.mark.parametrize("ratio", [0.01])  # the harder of 0.05 and 0.01
 def test_every_compressor_converges_close_to_dense(rng, problem, ratio, name):
     loss, params, lr = problem(rng)
     start = float(loss(params))
@@ -136,8 +136,8 @@ def test_topk_metrics_and_payload_match_numpy(rng):
     assert int(m["bytes"]) == k * 8 and int(m["stages"]) == 0
 
 
-@pytest.mark.parametrize("granularity", sidco.GRANULARITIES)
-@pytest.mark.parametrize("ratio", [0.01, 0.1])
+@pytest.mark.parametrize("granularity", quick_first(sidco.GRANULARITIES))
+@pytest.mark.parametrize("ratio", quick_first([0.01, 0.1]))
 def test_approxk_is_topk_bit_for_bit_off_tpu(rng, ratio, granularity):
     # XLA computes approx_max_k exactly off TPU: the same entries, update and residual.
     if jax.default_backend() == "tpu":

@@ -110,7 +110,7 @@ INJECTED = {  # an eager loop under inject_hyperparams: a schedule, or constants
 }
 
 
-@pytest.mark.parametrize("loop", list(INJECTED))
+@pytest.mark.parametrize("loop", quick_first(list(INJECTED)))
 def test_an_eager_loop_under_inject_hyperparams_compiles_once(loop):
     # A schedule's new value on every step recompiled the update every step (about a
     # second each); accumulate and diloco did so even with constants.

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from harness import quick_first
 
 import sidco_jax as sidco
 from examples.cnn import input_pipeline
@@ -259,7 +260,7 @@ def test_help_explains_every_flag_and_keeps_the_examples_as_written(main, capsys
         assert "(default: " in " ".join(block.split()), block
 
 
-@pytest.mark.parametrize("example", ["cnn", "lm"])
+@pytest.mark.parametrize("example", quick_first(["cnn", "lm"]))
 def test_running_the_trainer_s_library_points_to_its_command_line(example):
     # `python -m examples.cnn.train --help` printed nothing and exited 0.
     done = subprocess.run(

@@ -20,7 +20,8 @@ import pytest
 import sidco_jax as sidco
 from benchmarks import network, virtual_link
 
-pytestmark = pytest.mark.slow  # -m 'not slow' leaves this file out of a quick run
+# -m 'not slow' leaves this file out of a quick run; its links run on one worker at a time.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("network")]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARK = [sys.executable, "-m", "benchmarks.network"]
@@ -298,7 +299,7 @@ def test_the_link_carries_tcp_at_its_rate_and_is_removed_on_exit():
     assert not any(pathlib.Path(f"/etc/netns/{name}").exists() for name in link.namespaces)
 
 
-ROUNDS, STEPS = 3, 3  # the fewest that show rotation and a spread; cnn:tiny steps take ms
+ROUNDS, STEPS = 2, 3  # the fewest that show rotation and a spread; cnn:tiny steps take ms
 
 SPEEDUP = r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)"  # 1.43x (1.38-1.49)
 
@@ -344,7 +345,7 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     assert first == second
     runs = [["dense", 0.05], ["sidco-e", 0.05]]
     assert all(sorted(round_) == runs for round_ in first)
-    assert first[0] != first[1] and first[1] != first[2]
+    assert first[0] != first[1]  # each round starts somewhere else
     blocks = sorted(
         (t, [row["compressor"], row["ratio"]]) for row in rows.values() for t in row["started"]
     )
