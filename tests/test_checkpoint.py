@@ -311,6 +311,7 @@ def test_concurrent_saves_to_one_path_leave_the_winner_s_checkpoint(tmp_path):
     # Threads shared orbax's temporary directory: one save returned normally and the
     # checkpoint restored to the data of another, whose save had raised.
     path, ready = tmp_path / "ckpt", threading.Barrier(4)
+    (tmp_path / "ckpt.sidco-saving").touch()  # left by a save that was killed: no obstacle
     outcomes = {}
 
     def save(i):

@@ -188,9 +188,16 @@ def _replicas_agree(updates, states):
                 np.testing.assert_array_equal(other, first)
 
 
+# Every value x index format once, each value and each index format in both modes.
+EIGHT = [
+    (v, i, ("sparse", "sparse_allreduce")[(a + b) % 2])
+    for a, v in enumerate(sidco.VALUE_CODECS)
+    for b, i in enumerate(("int32", "chunked"))
+]
+
+
 @slow
-@pytest.mark.parametrize("mode", ["sparse", "sparse_allreduce"])
-@pytest.mark.parametrize(("values", "indices"), PAIRS)
+@pytest.mark.parametrize(("values", "indices", "mode"), EIGHT)
 def test_eight_devices_lose_nothing_and_replicas_agree(rng, mode, values, indices):
     stream = gradient_stream(rng, 5)
     tx = sidco.compress(0.05, axis_name=AXIS, communication=mode, values=values, indices=indices)

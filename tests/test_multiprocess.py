@@ -142,13 +142,17 @@ def test_the_cnn_example_runs_one_process_per_node_like_one_process(tmp_path):
                     cwd=pathlib.Path(__file__).parent.parent,
                 )
             )
-    for i, proc in enumerate(procs):
-        try:
-            assert proc.wait(timeout=LIMIT) == 0, (tmp_path / f"process{i}.log").read_text()
-        except subprocess.TimeoutExpired:
-            for p in procs:
+    try:
+        for i, proc in enumerate(procs):
+            try:
+                assert proc.wait(timeout=LIMIT) == 0, (tmp_path / f"process{i}.log").read_text()
+            except subprocess.TimeoutExpired:
+                pytest.fail((tmp_path / f"process{i}.log").read_text()[-2000:])
+    finally:  # one that failed leaves no other running (a ResourceWarning in a later test)
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
-            pytest.fail((tmp_path / f"process{i}.log").read_text()[-2000:])
+            p.wait()
     assert not (tmp_path / "p1").exists()  # process 0 writes the results
     one = subprocess.run(
         [*run, "--workdir", str(tmp_path / "one")],

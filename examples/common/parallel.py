@@ -51,11 +51,10 @@ def compile_step(step: Callable, mesh: jax.sharding.Mesh, *args) -> tuple[Callab
     dense traffic stays on its fast links).
     """
     compiled = step.lower(*args).compile()
-    node = {
-        d.id: i for i, row in enumerate(mesh.devices.reshape(len(mesh.devices), -1)) for d in row
-    }
-    if mesh.axis_names == (AXIS,):
-        node = {d.id: d.id for d in mesh.devices.flat}  # every device is a node of its own
+    # The program's device ids are positions in the mesh, across processes too: a row of
+    # the mesh is a node's devices, or, on a mesh of one axis, one device.
+    per_node = mesh.devices.size // len(mesh.devices)
+    node = {position: position // per_node for position in range(mesh.devices.size)}
 
     def across(c) -> bool:
         return any(len({node[d] for d in group}) > 1 for group in c.groups) or not c.groups

@@ -18,6 +18,7 @@ data instead of reading them back as other numbers.
 """
 
 import contextlib
+import fcntl
 import math
 import os
 import threading
@@ -111,7 +112,9 @@ def _claimed(path: str):
     """Holds ``path`` for one save: another save to it, from this process (a thread) or
     another job, raises instead of sharing orbax's temporary directory.
 
-    In a multi-process run every process saves to the same path: process 0 claims it for all.
+    Process 0 of a run holds an exclusive ``flock`` on ``<path>.sidco-saving``
+    (every process of a multi-process run saves to the same path). The kernel
+    releases it when a process dies, so a save killed mid-way blocks no later one.
 
     Raises:
       FileExistsError: if a save to ``path`` is running.
@@ -123,27 +126,33 @@ def _claimed(path: str):
     claim = None
     try:
         if jax.process_index() == 0:
-            parent = os.path.dirname(path)
-            try:
-                os.makedirs(parent, exist_ok=True)
-            except FileExistsError:  # a file on the way, as _check_destination says
-                raise NotADirectoryError(
-                    f"cannot save to {path}: {parent} is not a directory"
-                ) from None
-            try:
-                os.close(os.open(path + _CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                raise FileExistsError(
-                    f"cannot save to {path}: another process is saving to it ({path}{_CLAIM} "
-                    "exists; if no save is running, one that crashed left it: delete it)"
-                ) from None
-            claim = path + _CLAIM
+            claim = _lock(path)
         yield
     finally:
         if claim is not None:
-            os.remove(claim)
+            os.remove(path + _CLAIM)
+            os.close(claim)  # the lock goes with it
         with _SAVING_LOCK:
             _SAVING.discard(path)
+
+
+def _lock(path: str) -> int:
+    """An open descriptor holding the exclusive lock of ``path``'s claim file."""
+    parent = os.path.dirname(path)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except FileExistsError:  # a file on the way, as _check_destination says
+        raise NotADirectoryError(f"cannot save to {path}: {parent} is not a directory") from None
+    claim = os.open(path + _CLAIM, os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Locked, but perhaps a file another save removed since we opened it.
+        if os.fstat(claim).st_ino != os.stat(path + _CLAIM).st_ino:
+            raise BlockingIOError
+    except (BlockingIOError, FileNotFoundError):
+        os.close(claim)
+        raise FileExistsError(f"cannot save to {path}: another process is saving to it") from None
+    return claim
 
 
 def _abstract(leaf):
