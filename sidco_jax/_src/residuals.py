@@ -199,13 +199,18 @@ def _mismatch(difference: str) -> ValueError:
     )
 
 
+def _tree_shape(leaf) -> tuple[int, ...]:
+    """A leaf's residual in the tree layout: its shape (a scalar's as ``(1,)``), or ``(0,)``
+    for a leaf that is not floating point."""
+    return (jnp.shape(leaf) or (1,)) if is_float(leaf) else (0,)
+
+
 class _Tree(Form):
     name, layout = "tree", "tree"
 
     def empty(self, params, parts, shards):
         def zero(leaf):
-            shape = (jnp.shape(leaf) or (1,)) if is_float(leaf) else (0,)
-            return jnp.zeros(shape, layout_lib.residual_dtype(leaf))
+            return jnp.zeros(_tree_shape(leaf), layout_lib.residual_dtype(leaf))
 
         return jax.tree.map(zero, params)
 
@@ -227,7 +232,7 @@ class _Tree(Form):
             )
         paths = jax.tree_util.tree_flatten_with_path(updates)[0]
         for (path, leaf), r in zip(paths, jax.tree.leaves(residual), strict=True):
-            if ((jnp.shape(leaf) or (1,)) if is_float(leaf) else (0,)) != r.shape:
+            if _tree_shape(leaf) != r.shape:
                 seen = f"a leaf of shape {r.shape}" if r.size else "a non-floating-point leaf"
                 raise ValueError(
                     f"gradient leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} and "
