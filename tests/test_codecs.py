@@ -240,13 +240,12 @@ def _run_wide(tx, rng, steps=3, devices=2):
     return out
 
 
-# Each rule's payload over the whole model under the sparse all-reduce (its own and its
-# owners' reselection), and its per-leaf payloads under the gather: every path, half the grid.
-CHUNKED = [
-    (name, mode, granularity)
-    for name in SELECTING
-    if name not in ("sidco-p", "sidco-gp")
-    for mode, granularity in (("sparse_allreduce", "model"), ("sparse", "leaf"))
+# A payload over the whole model under the sparse all-reduce (its own and its owners'
+# reselection), and per-leaf payloads under the gather: SIDCo's and top-k's paths both ways,
+# the other rules (their threshold's payload, DGC's trim) one way each.
+PATHS = (("sparse_allreduce", "model"), ("sparse", "leaf"))
+CHUNKED = [(name, *path) for name in ("sidco-e", "topk") for path in PATHS] + [
+    (name, *PATHS[i % 2]) for i, name in enumerate(("dgc", "approxk", "redsync", "gaussiank"))
 ]
 
 

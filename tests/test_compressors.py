@@ -38,10 +38,10 @@ def flat_floats(tree):
     )
 
 
-@pytest.mark.parametrize("granularity", quick_first(sidco.GRANULARITIES))
-@pytest.mark.parametrize("name", quick_first(FACTORIES))
-def test_sent_plus_residual_is_gradient_plus_old_residual(rng, name, granularity):
-    tx = FACTORIES[name](0.05, granularity=granularity)
+def test_sent_plus_residual_is_gradient_plus_old_residual(rng):
+    # The quick tier's check; test_conformance.py runs it for every compressor, granularity
+    # and layout, through hostile inputs.
+    tx = FACTORIES["sidco-e"](0.05)
     state = tx.init(grads_tree(rng))
     update = jax.jit(tx.update)
     sent_total = 0
