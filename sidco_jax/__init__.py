@@ -35,7 +35,7 @@ from sidco_jax._src.loop import sparsifier
 from sidco_jax._src.metrics import metrics
 from sidco_jax._src.outer import OuterState, diloco
 from sidco_jax._src.payload import Payload, capacity, densify, sparsify
-from sidco_jax._src.registry import COMPRESSORS, compressor
+from sidco_jax._src.registry import COMPRESSORS, Traits, compressor, traits
 from sidco_jax._src.sidco import SidcoState, compress
 from sidco_jax._src.thresholds import threshold
 
@@ -59,6 +59,7 @@ __all__ = [
     "Rule",
     "Selection",
     "SidcoState",
+    "Traits",
     "accumulate",
     "approxk",
     "capacity",
@@ -83,5 +84,6 @@ __all__ = [
     "stats",
     "threshold",
     "topk",
+    "traits",
     "typing",
 ]

@@ -21,6 +21,19 @@ DEVICES = 8
 SHAPES = {"w": (48, 40), "b": (40,), "v": (300,)}  # 2260 float entries
 
 
+# Compressors picked by their registry traits, never by name, so a new one is covered.
+SELECTING = [n for n in sidco.COMPRESSORS if sidco.traits(n).kind != "none"]  # all but dense
+WITH_INDICES = [n for n in sidco.COMPRESSORS if sidco.traits(n).indices == "sent"]
+
+
+def one_of_each_kind(names) -> list[str]:
+    """The first of ``names`` of each kind of rule (:class:`sidco_jax.Traits`)."""
+    firsts = {}
+    for name in names:
+        firsts.setdefault(sidco.traits(name).kind, name)
+    return list(firsts.values())
+
+
 def params_tree():
     return {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
 

@@ -16,12 +16,14 @@ from harness import (
     AXIS,
     DEVICES,
     SHAPES,
+    WITH_INDICES,
     assert_mapped_agrees,
     copies,
     device_residual,
     flat_residual,
     full_size_lines,
     gradient_stream,
+    one_of_each_kind,
     params_tree,
     quick_first,
     run_shard_map,
@@ -32,7 +34,6 @@ from sidco_jax._src import codecs
 
 PAIRS = [(v, i) for v in sidco.VALUE_CODECS for i in ("int32", "chunked")]
 # Every compressor that sends its own indices.
-SELECTING = [n for n in sidco.COMPRESSORS if n not in ("dense", "randomk")]
 
 
 def _rows(rng, rows, slots, space, filled):
@@ -241,11 +242,13 @@ def _run_wide(tx, rng, steps=3, devices=2):
 
 
 # A payload over the whole model under the sparse all-reduce (its own and its owners'
-# reselection), and per-leaf payloads under the gather: SIDCo's and top-k's paths both ways,
-# the other rules (their threshold's payload, DGC's trim) one way each.
+# reselection), and per-leaf payloads under the gather: each kind of rule, SIDCo's and
+# top-k's both ways (sparsify with the fill's strongest; top_k), the others one way each.
 PATHS = (("sparse_allreduce", "model"), ("sparse", "leaf"))
-CHUNKED = [(name, *path) for name in ("sidco-e", "topk") for path in PATHS] + [
-    (name, *PATHS[i % 2]) for i, name in enumerate(("dgc", "approxk", "redsync", "gaussiank"))
+CHUNKED = [
+    (name, *path)
+    for i, name in enumerate(one_of_each_kind(WITH_INDICES))
+    for path in (PATHS if sidco.traits(name).kind in ("fit", "top-k") else [PATHS[i % 2]])
 ]
 
 

@@ -24,10 +24,13 @@ import pytest
 from harness import (
     AXIS,
     DEVICES,
+    SELECTING,
     SHAPES,
+    WITH_INDICES,
     flat_residual,
     gradient_stream,
     mesh_of,
+    one_of_each_kind,
     per_device_step,
     run_shard_map,
 )
@@ -178,9 +181,8 @@ def check_step(name, g, before, sent, after, skipped):
         assert float(m.density) > 0, f"{name}: a starved payload"
 
 
-# Leaf granularity runs the rule once per leaf: the kinds of rule (threshold fits,
-# top-k, sampling, search, correction, random) once each keep the grid fast.
-LEAF_RULES = ("sidco-e", "topk", "dgc", "gaussiank", "redsync", "randomk")
+# Leaf granularity runs the rule once per leaf: each kind of rule once keeps the grid fast.
+LEAF_RULES = one_of_each_kind(SELECTING)
 CASES = [(n, "model") for n in sidco.COMPRESSORS] + [(n, "leaf") for n in LEAF_RULES]
 
 
@@ -215,7 +217,7 @@ LAYOUT_CASES = [(n, g, "tree") for n, g in CASES] + [
 
 @pytest.mark.parametrize(("name", "granularity", "layout"), LAYOUT_CASES)
 def test_every_compressor_survives_every_hostile_input(name, granularity, layout, rng):
-    options = {} if name == "dense" else {"granularity": granularity}
+    options = {"granularity": granularity} if name in SELECTING else {}
     tx = sidco.compressor(name, 0.1, layout=layout, **options)
     base = base_gradient(rng)
     state = tx.init(base)
@@ -235,14 +237,14 @@ def test_every_compressor_survives_every_hostile_input(name, granularity, layout
 RATIO_ONE_CASES = [
     (n, g, layout)
     for n in sidco.COMPRESSORS
-    for g in (("model",) if n == "dense" else sidco.GRANULARITIES)
+    for g in (sidco.GRANULARITIES if n in SELECTING else ("model",))
     for layout in (("tree", "buckets") if g == "model" else ("tree",))  # per leaf: one part each
 ]
 
 
 @pytest.mark.parametrize(("name", "granularity", "layout"), RATIO_ONE_CASES)
 def test_every_compressor_at_ratio_one_is_the_dense_mean(name, granularity, layout, rng):
-    options = {} if name == "dense" else {"granularity": granularity}
+    options = {"granularity": granularity} if name in SELECTING else {}
     tx, dense = sidco.compressor(name, 1.0, layout=layout, **options), sidco.dense()
     base = base_gradient(rng)
     state, dense_state = tx.init(base), dense.init(base)
@@ -266,7 +268,7 @@ def test_every_compressor_at_ratio_one_is_the_dense_mean(name, granularity, layo
 @pytest.mark.parametrize("name", sidco.COMPRESSORS)
 def test_every_compressor_at_ratio_one_is_the_mean_over_8_devices(name, rng):
     # Multiples of 1/64 below 4: sums of 8 are exact, so the mean is NumPy's to the bit.
-    options = {} if name in ("dense", "randomk") else {"communication": "sparse"}
+    options = {"communication": "sparse"} if name in WITH_INDICES else {}
     stream = gradient_stream(rng, 2)
     updates, states, _ = run_shard_map(
         sidco.compressor(name, 1.0, axis_name=AXIS, **options), stream
@@ -284,10 +286,9 @@ def per_device(make, rng):
     return {k: np.stack([g[k] for g in grads]) for k in LEAVES}
 
 
-SPARSE = [n for n in sidco.COMPRESSORS if n not in ("randomk", "dense")]  # payloads with indices
 # The aggregation modes are shared code: "dense" (psum) once per kind of payload.
 MESH_CASES = (
-    [(n, "model", "sparse") for n in SPARSE]
+    [(n, "model", "sparse") for n in WITH_INDICES]
     + [("sidco-e", "model", "dense"), ("dgc", "model", "dense")]
     + [("sidco-e", "model", "sparse_allreduce"), ("topk", "leaf", "sparse_allreduce")]
     + [("randomk", "model", "auto"), ("dense", "model", "auto")]
@@ -299,8 +300,8 @@ MESH_CASES = (
 def test_every_compressor_survives_hostile_input_on_8_devices(
     name, granularity, communication, rng
 ):
-    options = {} if name == "dense" else {"granularity": granularity}
-    if name not in ("dense", "randomk"):
+    options = {"granularity": granularity} if name in SELECTING else {}
+    if name in WITH_INDICES:
         options["communication"] = communication
     tx = sidco.compressor(name, 0.1, axis_name=AXIS, **options)
     mesh = mesh_of(DEVICES)

@@ -11,6 +11,7 @@ from harness import (
     AXIS,
     DEVICES,
     SHAPES,
+    WITH_INDICES,
     copies,
     device_residual,
     flat_residual,
@@ -27,9 +28,9 @@ from sidco_jax._src import costs
 
 pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
-# Every compressor that selects indices (random-k's are shared: a psum of values), but
-# SIDCo-GP, whose rule differs from SIDCo-E's only in the fit.
-SELECTING = [n for n in sidco.COMPRESSORS if n not in ("dense", "randomk", "sidco-gp")]
+# Every compressor whose payload carries indices (the all-reduce routes them), but SIDCo-GP,
+# whose rule differs from SIDCo-E's only in the fit.
+ROUTED = [n for n in WITH_INDICES if n != "sidco-gp"]
 NODE, LOCAL = "node", "local"
 
 
@@ -50,7 +51,7 @@ def _lost(stream, updates, state, devices) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("name", "devices"),
-    [(name, DEVICES) for name in SELECTING] + [("sidco-e", 2), ("sidco-e", 4)],
+    [(name, DEVICES) for name in ROUTED] + [("sidco-e", 2), ("sidco-e", 4)],
 )
 def test_sparse_allreduce_loses_nothing_and_replicas_agree(rng, name, devices):
     # Dyadic gradients: every sum is exact, so the invariant holds bit for bit.

@@ -66,10 +66,42 @@ def topk(
     return sparsifier(_largest(ratio, lax.top_k), ratio=ratio, **options)
 
 
-def _above(vectors, eta, cap: int, abs_sums) -> Selection:
+def _above(vectors, eta, cap: int, abs_sums, k: int) -> Selection:
     """A threshold rule's selection: what passes ``eta``, or the top-``cap`` where nothing does."""
+    del k
     payload, eta = payload_lib.select_or_top(vectors, eta, cap, jnp.sum(abs_sums))
     return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
+
+
+def _threshold_rule(ratio: float, slots, threshold, finish=_above) -> Rule:
+    """The rule of a threshold estimated from the data: what passes it, in a fixed payload.
+
+    Args:
+      ratio: target density.
+      slots: ``slots(n, k)``, the payload's slots for ``n`` entries and target ``k``.
+      threshold: ``threshold(vectors, abs_sums, n, k, key)``, the threshold ``eta``.
+      finish: ``finish(vectors, eta, cap, abs_sums, k)``, the selection from ``eta``
+        (default: what passes it, or the top ``cap`` where nothing does).
+
+    At ``k = n`` the rule sends every entry: an estimated threshold would keep those
+    at or below it (:func:`~sidco_jax._src.selection.every_entry`).
+    """
+
+    def select(vectors, abs_sums, state, key):
+        del state
+        n = passes.size(vectors)
+        k = _k(n, ratio)
+        if k >= n:
+            return every_entry(vectors)
+        eta = threshold(vectors, abs_sums, n, k, key)
+        return finish(vectors, eta, slots(n, k), abs_sums, k)
+
+    return Rule(empty_init, select)
+
+
+def _slots(ratio: float, capacity_factor: float):
+    """``slots`` of :func:`_threshold_rule`: ``capacity_factor`` x the target, clipped to n."""
+    return lambda n, k: payload_lib.capacity(n, ratio, capacity_factor)
 
 
 def _largest(ratio: float, top_k: payload_lib.TopK) -> Rule:
@@ -165,18 +197,18 @@ def dgc(
     ratio = check_ratio(static("ratio", ratio))
     sample_ratio = check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
 
-    def select(vectors, abs_sums, state, key):
-        del state
-        n = passes.size(vectors)
-        k = _k(n, ratio)
-        if k >= n:  # the sample's k-th magnitude would keep entries at or below it
-            return every_entry(vectors)
-        cap = min(math.ceil(4 * k / 3), n)
+    def slots(n, k):
+        return min(math.ceil(4 * k / 3), n)
+
+    def threshold(vectors, abs_sums, n, k, key):
+        del abs_sums, k
         # A stratified sample over the whole index space: the same entries in every layout.
         size = min(max(math.ceil(sample_ratio * n), 1), n)
         sample = jnp.abs(payload_lib.gather_strata(vectors, *payload_lib.draw_strata(key, n, size)))
         size = sample.shape[0]
-        eta = jnp.min(lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0])
+        return jnp.min(lax.top_k(sample, min(max(math.ceil(size * ratio), 1), size))[0])
+
+    def trim_or_keep(vectors, eta, cap, abs_sums, k):
         selected = passes.count_above(vectors, eta)
 
         def trim(_):
@@ -188,7 +220,8 @@ def dgc(
         payload, eta = lax.cond(selected > cap, trim, keep, None)
         return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
 
-    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+    rule = _threshold_rule(ratio, slots, threshold, trim_or_keep)
+    return sparsifier(rule, ratio=ratio, **options)
 
 
 @takes_loop_options
@@ -224,13 +257,8 @@ def redsync(
     capacity_factor = check_capacity_factor(capacity_factor)
     tolerance = check_number("tolerance", tolerance, 0.0, 1.0, open_low=True, open_high=True)
 
-    def select(vectors, abs_sums, state, key):
-        del state, key
-        n = passes.size(vectors)
-        k = _k(n, ratio)
-        if k >= n:  # no window above k: the bisection would end at the mean
-            return every_entry(vectors)
-        cap = payload_lib.capacity(n, ratio, capacity_factor)
+    def threshold(vectors, abs_sums, n, k, key):
+        del key
         total = jnp.sum(abs_sums)
         (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v) + z], after=total, op=jnp.max)
         mean = total / n
@@ -258,10 +286,10 @@ def redsync(
         start = (zero, zero + 1, zero, jnp.zeros_like(mean, jnp.int32) - 1)
         lo, _, t, count = lax.while_loop(searching, bisect, start)
         # The last probe if it landed in the window, else the lowest bound known to pass > k.
-        eta = threshold_at(jnp.where(in_window(count), t, lo))
-        return _above(vectors, eta, cap, abs_sums)
+        return threshold_at(jnp.where(in_window(count), t, lo))
 
-    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+    rule = _threshold_rule(ratio, _slots(ratio, capacity_factor), threshold)
+    return sparsifier(rule, ratio=ratio, **options)
 
 
 @takes_loop_options
@@ -294,13 +322,8 @@ def gaussiank(
     ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
 
-    def select(vectors, abs_sums, state, key):
-        del state, key
-        n = passes.size(vectors)
-        k = _k(n, ratio)
-        if k >= n:  # the quantile at ratio 1 is |mean|, which entries below it do not pass
-            return every_entry(vectors)
-        cap = payload_lib.capacity(n, ratio, capacity_factor)
+    def threshold(vectors, abs_sums, n, k, key):
+        del key
         # In units of a power of two near the mean magnitude: squares of
         # 1e20-scale entries would overflow float32.
         scale = fits.unit_scale(jnp.sum(abs_sums) / n)
@@ -319,9 +342,10 @@ def gaussiank(
             return eta * factor, done | ~(few | many)
 
         eta, _ = lax.fori_loop(0, 3, correct, (eta, jnp.zeros_like(eta, bool)))
-        return _above(vectors, eta, cap, abs_sums)
+        return eta
 
-    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+    rule = _threshold_rule(ratio, _slots(ratio, capacity_factor), threshold)
+    return sparsifier(rule, ratio=ratio, **options)
 
 
 @takes_loop_options

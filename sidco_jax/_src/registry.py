@@ -4,13 +4,15 @@ Names are as in the docs: ``sidco-e``, ``sidco-p``, ``sidco-gp`` (SIDCo with
 the exponential, generalized Pareto and gamma estimators), ``topk``,
 ``approxk``, ``dgc``, ``gaussiank``, ``redsync``, ``randomk`` and ``dense``.
 Adding a compressor is a :class:`~sidco_jax.Rule` run by
-:func:`~sidco_jax.sparsifier` in a factory, plus one line here.
+:func:`~sidco_jax.sparsifier` in a factory, plus one line in :data:`REGISTRY`
+with its :class:`Traits`: tests, docs checks and benchmarks pick compressors by
+their traits, so they cover it.
 """
 
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any, NamedTuple, Unpack
 
 import optax
 
@@ -29,19 +31,35 @@ def _dense(ratio: float, **options: Unpack[LoopOptions]) -> optax.GradientTransf
     return baselines.dense(**options)
 
 
-FACTORIES: dict[str, Factory] = {
-    "sidco-e": functools.partial(compress, estimator="exponential"),
-    "sidco-p": functools.partial(compress, estimator="gpareto"),
-    "sidco-gp": functools.partial(compress, estimator="gamma"),
-    "topk": baselines.topk,
-    "approxk": baselines.approxk,
-    "dgc": baselines.dgc,
-    "gaussiank": baselines.gaussiank,
-    "redsync": baselines.redsync,
-    "randomk": baselines.randomk,
-    "dense": _dense,
-}
-COMPRESSORS: tuple[str, ...] = tuple(FACTORIES)
+class Traits(NamedTuple):
+    """What a compressor is, for code that picks compressors by kind rather than by name.
+
+    Attributes:
+      kind: its kind of selection rule: ``"fit"`` (SIDCo's estimated threshold),
+        ``"top-k"``, ``"sample"`` (a threshold from a random sample), ``"search"``
+        (a threshold searched for by counting), ``"correction"`` (a closed-form
+        threshold, corrected by counting), ``"random"`` or ``"none"`` (every entry).
+      indices: how the receivers learn which entries were sent: ``"sent"`` (the
+        payload carries them, so the wire formats and the ``communication`` modes
+        apply), ``"shared"`` (every device draws the same ones: only values travel)
+        or ``"none"`` (every entry is sent).
+      random: whether its selection draws from the state's random key.
+      options: the keyword options its factory takes.
+    """
+
+    kind: str
+    indices: str = "sent"
+    random: bool = False
+    options: tuple[str, ...] = ()
+
+
+class _Entry(NamedTuple):
+    factory: Factory
+    traits: Traits
+
+
+def _entry(factory: Factory, kind: str, **traits) -> _Entry:
+    return _Entry(factory, Traits(kind, **traits, options=_options(factory)))
 
 
 def _options(factory: Factory) -> tuple[str, ...]:
@@ -54,7 +72,43 @@ def _options(factory: Factory) -> tuple[str, ...]:
     )
 
 
-OPTIONS: dict[str, tuple[str, ...]] = {name: _options(f) for name, f in FACTORIES.items()}
+# The one place a compressor is added: its factory and its traits.
+REGISTRY: dict[str, _Entry] = {
+    "sidco-e": _entry(functools.partial(compress, estimator="exponential"), "fit"),
+    "sidco-p": _entry(functools.partial(compress, estimator="gpareto"), "fit"),
+    "sidco-gp": _entry(functools.partial(compress, estimator="gamma"), "fit"),
+    "topk": _entry(baselines.topk, "top-k"),
+    "approxk": _entry(baselines.approxk, "top-k"),
+    "dgc": _entry(baselines.dgc, "sample", random=True),
+    "gaussiank": _entry(baselines.gaussiank, "correction"),
+    "redsync": _entry(baselines.redsync, "search"),
+    "randomk": _entry(baselines.randomk, "random", indices="shared", random=True),
+    "dense": _entry(_dense, "none", indices="none"),
+}
+COMPRESSORS: tuple[str, ...] = tuple(REGISTRY)
+
+
+def traits(name: str) -> Traits:
+    """The :class:`Traits` of the compressor called ``name``.
+
+    Args:
+      name: one of :data:`~sidco_jax.COMPRESSORS`.
+
+    Returns:
+      Its traits.
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+
+    Examples:
+      >>> import sidco_jax as sidco
+      >>> [n for n in sidco.COMPRESSORS if sidco.traits(n).indices == "shared"]
+      ['randomk']
+      >>> sidco.traits("dgc").kind, sidco.traits("dgc").random
+      ('sample', True)
+    """
+    check_choice("compressor", name, tuple(REGISTRY))
+    return REGISTRY[name].traits
 
 
 def compressor(name: str, ratio: float, **options: Any) -> optax.GradientTransformationExtraArgs:
@@ -81,10 +135,8 @@ def compressor(name: str, ratio: float, **options: Any) -> optax.GradientTransfo
       >>> sidco.COMPRESSORS[:3]
       ('sidco-e', 'sidco-p', 'sidco-gp')
     """
-    check_choice("compressor", name, COMPRESSORS)
-    unknown = sorted(set(options) - set(OPTIONS[name]))
+    allowed = traits(name).options
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise TypeError(
-            f"compressor {name!r} got unknown options {unknown}; allowed: {OPTIONS[name]}"
-        )
-    return FACTORIES[name](ratio, **options)
+        raise TypeError(f"compressor {name!r} got unknown options {unknown}; allowed: {allowed}")
+    return REGISTRY[name].factory(ratio, **options)
