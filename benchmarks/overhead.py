@@ -485,6 +485,9 @@ def phases(grads, ratio: float, labels: list[str], repeats: int) -> dict:
             if phase != "traced call" and not any(times):
                 continue  # a phase this compressor does not have
             ms[f"{label}: {phase}"] = quartiles(times)
+        # Call by call (a phase such as the threshold's refit may run in some calls only).
+        summed = np.sum([traced[label][phase] for phase in PHASES if phase in traced[label]], 0)
+        ms[f"{label}: phases summed"] = quartiles(list(summed))
     one = ms["one pass"]["median"]
     for label, t in ms.items():
         base = ms.get(f"{label.split(':')[0]}: whole update", ms["one pass"])

@@ -295,19 +295,8 @@ def test_randomk_sends_every_entry_about_equally_often():
 
 
 @pytest.mark.slow
-def test_the_registry_builds_every_documented_name():
-    assert sidco.COMPRESSORS == (
-        "sidco-e",
-        "sidco-p",
-        "sidco-gp",
-        "topk",
-        "approxk",
-        "dgc",
-        "gaussiank",
-        "redsync",
-        "randomk",
-        "dense",
-    )
+def test_the_registry_builds_every_name():
+    # The names are the docs' (test_docs.py checks every list of them).
     g = jnp.arange(100.0)
     for name in sidco.COMPRESSORS:
         tx = sidco.compressor(name, 0.1)
