@@ -92,12 +92,13 @@ def message_bytes(
 
 def model_bytes(size: int, k: int, mode: str, values: str, indices: str) -> int:
     """The same from the cost model: what ``sidco.costs`` charges for one device's message."""
+    wire = sidco.costs.Codec(values, indices)
     if mode != "sparse_allreduce":
-        return sidco.costs.message_bytes("sparse", size, k, 1, values, indices)
+        return sidco.costs.message_bytes("sparse", size, k, 1, wire)
     plan = sidco.costs.plan(size, k, 8)
 
     def one(slots):
-        return sidco.costs.message_bytes("sparse", plan.region, slots, 1, values, indices)
+        return sidco.costs.message_bytes("sparse", plan.region, slots, 1, wire)
 
     return 8 * one(plan.route) + one(plan.reduced)
 

@@ -44,30 +44,31 @@ def step_seconds(
     devices: int,
     per_node: int,
     outer: costs.Link,
-    wire: tuple[str, str] = ("float32", "int32"),
+    wire: costs.Codec,
 ) -> dict:
     """Modelled seconds of each way to aggregate one gradient of ``size`` entries.
 
-    ``wire`` is the ``(values, indices)`` format of the compressed modes' messages.
+    ``wire`` is the format of the compressed modes' messages.
     """
     capacity = max(1, round(ratio * size))
     flat_link = outer if devices > per_node else costs.NODE_LINK
     row = {
-        mode: costs.seconds(mode, size, capacity, devices, flat_link, False, *wire)
-        for mode in MODES
+        mode: costs.seconds(mode, size, capacity, devices, flat_link, False, wire) for mode in MODES
     }
     nodes, local = max(1, devices // per_node), min(devices, per_node)
     for name, share in (("hierarchical", 1), ("sharded", local)):
         cut, slots = -(-size // share), -(-capacity // share)
-        mode = costs.choose(cut, slots, nodes, outer, False, *wire) if nodes > 1 else "dense"
+        mode = costs.choose(cut, slots, nodes, outer, False, wire) if nodes > 1 else "dense"
         row[name] = costs.hierarchical_seconds(
-            mode, size, capacity, nodes, local, outer, costs.NODE_LINK, *wire, sharded=share > 1
+            mode, size, capacity, nodes, local, outer, costs.NODE_LINK, wire, sharded=share > 1
         )
         row[f"{name}_mode"] = mode if nodes > 1 else "-"
     return row
 
 
-def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link, wire=None) -> dict:
+def crossovers(
+    size: int, ratio: float, per_node: int, outer: costs.Link, wire: costs.Codec
+) -> dict:
     """Per overtaking, the power-of-two device count from which it holds up to 2^16 (None: never).
 
     Where an overtaking holds at some device counts and not at larger ones (hierarchical
@@ -83,7 +84,7 @@ def crossovers(size: int, ratio: float, per_node: int, outer: costs.Link, wire=N
     }
     found = dict.fromkeys(checks)
     for power in range(1, 17):
-        row = step_seconds(size, ratio, 2**power, per_node, outer, wire or ("float32", "int32"))
+        row = step_seconds(size, ratio, 2**power, per_node, outer, wire)
         for name, holds in checks.items():
             if not holds(row):
                 found[name] = None
@@ -142,11 +143,12 @@ def main(argv=None) -> None:
     rows, crossings = [], []
     for ratio, wire, gbits in itertools.product(args.ratios, args.wires, args.gbits):
         values, _, indices = wire.partition("/")
+        codec = costs.Codec(values, indices)
         outer = costs.Link(args.latency_us * 1e-6, gbits * 1e9 / 8)
         for devices in args.devices:
-            row = step_seconds(size, ratio, devices, args.per_node, outer, (values, indices))
+            row = step_seconds(size, ratio, devices, args.per_node, outer, codec)
             rows.append({"ratio": ratio, "wire": wire, "gbits": gbits, "devices": devices, **row})
-        at = crossovers(size, ratio, args.per_node, outer, (values, indices))
+        at = crossovers(size, ratio, args.per_node, outer, codec)
         crossings.append({"ratio": ratio, "wire": wire, "gbits": gbits, "at": at})
     print(
         f"Modelled communication per step: {size:.3g} float32 parameters, "

@@ -6,6 +6,7 @@ functions are public so that a job can be planned before it runs (see
 """
 
 from sidco_jax._src import costs as _costs
+from sidco_jax._src.codecs import Codec
 from sidco_jax._src.costs import DEFAULT_LINK, MODES, NODE_LINK, ROUTE_SLACK, Link, Plan
 
 # Checked where a person calls them (a bad argument raises, naming it and what is allowed);
@@ -23,6 +24,7 @@ __all__ = [
     "MODES",
     "NODE_LINK",
     "ROUTE_SLACK",
+    "Codec",
     "Link",
     "Plan",
     "choose",

@@ -16,7 +16,7 @@ from sidco_jax._src.base import (
 )
 from sidco_jax._src.codecs import IndexCodec, ValueCodec
 from sidco_jax._src.layout import Layout
-from sidco_jax._src.options import LoopOptions
+from sidco_jax._src.loop import LoopOptions
 
 __all__ = [
     "Adaptation",

@@ -148,5 +148,6 @@ def test_only_the_compressed_message_crosses_tpu_slices():
     # Nothing dense: a chip's slice is n // 4 floats (64 KiB); what crosses is the message
     # (its values gathered as an all-reduce of both slices' rows) and the agreed figures.
     assert all(c.operand_bytes <= 4096 for c in across), [tuple(c) for c in across]
-    message = sidco.costs.message_bytes("sparse", n // 4, capacity, 2, "float32", "chunked")
+    wire = sidco.costs.Codec("float32", "chunked")
+    message = sidco.costs.message_bytes("sparse", n // 4, capacity, 2, wire)
     assert sum(c.operand_bytes for c in across) >= message

@@ -273,6 +273,7 @@ def test_the_slow_axis_carries_a_slice_of_the_message():
     assert inside == [("all-gather", 4 * n // shards), ("reduce-scatter", 4 * n)]
     across = [c for c in found if c.group_size == nodes]
     k = sidco.capacity(n // shards, 0.01)
-    message = sidco.costs.message_bytes("sparse", n // shards, k, nodes, "int8", "chunked")
+    wire = sidco.costs.Codec("int8", "chunked")
+    message = sidco.costs.message_bytes("sparse", n // shards, k, nodes, wire)
     assert sum(c.operand_bytes for c in across) == message
     assert all(c.result_bytes <= 64 for c in found if c.group_size == nodes * shards)  # figures

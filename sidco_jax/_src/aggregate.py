@@ -46,7 +46,7 @@ def resolve(
     """The concrete mode: ``mode`` itself, or for ``"auto"`` the cheapest in :mod:`costs`."""
     if mode != "auto":
         return mode
-    return costs.choose(size, capacity, devices, link, shared, *wire)
+    return costs.choose(size, capacity, devices, link, shared, wire)
 
 
 def mean_of(

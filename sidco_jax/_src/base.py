@@ -426,11 +426,6 @@ def check_estimator(estimator) -> None:
     check_choice("estimator", estimator, ESTIMATORS)
 
 
-def check_mode(mode) -> None:
-    """Raises ``ValueError`` unless ``mode`` is one of :data:`COMMUNICATIONS`."""
-    check_choice("communication", mode, COMMUNICATIONS)
-
-
 def float_vectors(x, caller: str) -> list[jax.Array]:
     """The leaves of the pytree ``x`` flattened to 1-D.
 
@@ -449,41 +444,3 @@ def float_vectors(x, caller: str) -> list[jax.Array]:
 def axis_names(axis_name) -> tuple:
     """``axis_name`` as a tuple of names."""
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def check_axis(axis_name, communication: str = "auto", inner_axis=None) -> None:
-    """Validates ``axis_name``, ``communication`` and ``inner_axis`` (raises ``ValueError``)."""
-    for name, value in (("axis_name", axis_name), ("inner_axis", inner_axis)):
-        names = axis_names(value)
-        if value is not None and not (names and all(isinstance(a, str) for a in names)):
-            raise ValueError(
-                f"{name} must be None, a mesh axis name or a tuple of them, got {value!r}"
-            )
-    check_mode(communication)
-    if inner_axis is None:
-        return
-    if axis_name is None:
-        raise ValueError(
-            f"inner_axis={inner_axis!r} needs an axis_name to compress over (the slow axis "
-            "across nodes); without one, average over the inner axis yourself"
-        )
-    if set(axis_names(inner_axis)) & set(axis_names(axis_name)):
-        raise ValueError(
-            f"inner_axis={inner_axis!r} must differ from axis_name={axis_name!r}: the inner "
-            "axis is averaged densely, axis_name is compressed"
-        )
-
-
-def check_common(ratio, granularity, error_feedback) -> float:
-    """Checks the options every compressor shares; returns ``ratio`` as a Python ``float``.
-
-    Raises:
-      TypeError: for a ``ratio`` that is not a real scalar or an
-        ``error_feedback`` that is not a bool.
-      ValueError: for a traced ``ratio`` (it sets the payload shape), one
-        outside (0, 1], or an unknown ``granularity``.
-    """
-    ratio = check_ratio(static("ratio", ratio))
-    check_choice("granularity", granularity, GRANULARITIES)
-    check_bool("error_feedback", error_feedback)
-    return ratio

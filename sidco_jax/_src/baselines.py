@@ -30,8 +30,8 @@ from sidco_jax._src.base import (
     static,
 )
 from sidco_jax._src.base import k_of as _k
-from sidco_jax._src.loop import sparsifier
-from sidco_jax._src.options import LoopOptions, takes_loop_options
+from sidco_jax._src.loop import LoopOptions, build
+from sidco_jax._src.options import takes_loop_options
 from sidco_jax._src.selection import every_entry, everything
 
 
@@ -62,8 +62,7 @@ def topk(
       >>> tx.update(g, tx.init(g))[0]
       Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
     """
-    ratio = check_ratio(static("ratio", ratio))
-    return sparsifier(_largest(ratio, lax.top_k), ratio=ratio, **options)
+    return build(_largest(ratio, lax.top_k), ratio, **options)
 
 
 def _above(vectors, eta, cap: int, abs_sums, k: int) -> Selection:
@@ -101,7 +100,7 @@ def _threshold_rule(ratio: float, slots, threshold, finish=_above) -> Rule:
 
 def _slots(ratio: float, capacity_factor: float):
     """``slots`` of :func:`_threshold_rule`: ``capacity_factor`` x the target, clipped to n."""
-    return lambda n, k: payload_lib.capacity(n, ratio, capacity_factor)
+    return lambda n, k: payload_lib.slots_for(n, ratio, capacity_factor)
 
 
 def _largest(ratio: float, top_k: payload_lib.TopK) -> Rule:
@@ -158,12 +157,11 @@ def approxk(
       >>> tx.update(g, tx.init(g))[0]
       Array([ 0., -5.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
     """
-    ratio = check_ratio(static("ratio", ratio))
     why = "is a compile-time argument of lax.approx_max_k and must be static"
     recall_target = static("recall_target", recall_target, why)
     recall_target = check_number("recall_target", recall_target, 0.0, 1.0, open_low=True)
     top_k = functools.partial(lax.approx_max_k, recall_target=recall_target)
-    return sparsifier(_largest(ratio, top_k), ratio=ratio, **options)
+    return build(_largest(ratio, top_k), ratio, **options)
 
 
 @takes_loop_options
@@ -194,7 +192,6 @@ def dgc(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_ratio(static("ratio", ratio))
     sample_ratio = check_ratio(static("sample_ratio", sample_ratio), "sample_ratio")
 
     def slots(n, k):
@@ -221,7 +218,7 @@ def dgc(
         return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
 
     rule = _threshold_rule(ratio, slots, threshold, trim_or_keep)
-    return sparsifier(rule, ratio=ratio, **options)
+    return build(rule, ratio, **options)
 
 
 @takes_loop_options
@@ -253,7 +250,6 @@ def redsync(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
     tolerance = check_number("tolerance", tolerance, 0.0, 1.0, open_low=True, open_high=True)
 
@@ -289,7 +285,7 @@ def redsync(
         return threshold_at(jnp.where(in_window(count), t, lo))
 
     rule = _threshold_rule(ratio, _slots(ratio, capacity_factor), threshold)
-    return sparsifier(rule, ratio=ratio, **options)
+    return build(rule, ratio, **options)
 
 
 @takes_loop_options
@@ -319,7 +315,6 @@ def gaussiank(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
 
     def threshold(vectors, abs_sums, n, k, key):
@@ -345,7 +340,7 @@ def gaussiank(
         return eta
 
     rule = _threshold_rule(ratio, _slots(ratio, capacity_factor), threshold)
-    return sparsifier(rule, ratio=ratio, **options)
+    return build(rule, ratio, **options)
 
 
 @takes_loop_options
@@ -377,7 +372,6 @@ def randomk(
       ValueError: for a value out of range (NaN and inf included) or an
         unknown name.
     """
-    ratio = check_ratio(static("ratio", ratio))
     codecs.refuse("randomk", options, "shares its indices, and only float32 values travel")
 
     def select(vectors, abs_sums, state, key):
@@ -390,10 +384,10 @@ def randomk(
         zero = jnp.zeros((), jnp.float32)
         return Selection(payload, zero, k * VALUE_BYTES, shared=True)
 
-    return sparsifier(Rule(empty_init, select), ratio=ratio, **options)
+    return build(Rule(empty_init, select), ratio, **options)
 
 
-@takes_loop_options
+@takes_loop_options(error_feedback=False)
 def dense(**options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraArgs:
     """No compression: the plain mean of the gradient over ``axis_name``.
 
@@ -421,5 +415,4 @@ def dense(**options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraAr
       Array([ 0.1, -5. ,  0.3], dtype=float32)
     """
     codecs.refuse("dense()", options, "sends every entry, with no indices")
-    options = {"error_feedback": False, **options}
-    return sparsifier(Rule(empty_init, everything), ratio=1.0, **options)
+    return build(Rule(empty_init, everything), 1.0, **options)

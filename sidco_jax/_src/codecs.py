@@ -78,10 +78,18 @@ def _top(dtype) -> float:
 
 
 class Codec(NamedTuple):
-    """A wire format: the ``values`` and ``indices`` options of a compressor.
+    """A wire format: the ``values`` and ``indices`` options of a compressor, as one object.
 
-    ``indices="auto"`` is resolved for each message's sizes by :meth:`at`;
-    the other methods need it resolved.
+    The loop carries it from construction to the aggregation and the cost
+    model; :mod:`sidco_jax.costs` takes it as ``wire``. ``indices="auto"`` is
+    resolved for each message's sizes by :meth:`at`; the other methods need it
+    resolved.
+
+    Examples:
+      >>> import sidco_jax as sidco
+      >>> wire = sidco.costs.Codec(values="int8", indices="chunked")
+      >>> sidco.costs.message_bytes("sparse", 2**20, 1000, 8, wire)
+      3080
     """
 
     values: str = "float32"
@@ -187,15 +195,14 @@ def check(values, indices) -> None:
     check_choice("indices", indices, INDEX_CODECS)
 
 
+DEFAULT = Codec()
+
+
 def refuse(compressor: str, options: dict, why: str) -> None:
     """Raises ``ValueError`` where ``options`` ask for a codec a compressor has no use for."""
-    values, indices = options.get("values", "float32"), options.get("indices", "int32")
-    check(values, indices)
-    if (values, indices) != tuple(DEFAULT):
+    values, indices = options["values"], options["indices"]
+    if Codec(values, indices) != DEFAULT:
         raise ValueError(
             f"{compressor} {why}: values={values!r} and indices={indices!r} do not apply "
             "(leave them at 'float32' and 'int32')"
         )
-
-
-DEFAULT = Codec()

@@ -17,7 +17,8 @@ with ``n`` entries, ``k`` payload slots per device, and for the sparse
 all-reduce ``s = ceil(2k / P)`` slots routed to each region owner and
 ``r = ceil(k / P)`` reduced slots per owner (:func:`plan`). ``B(slots,
 space)`` is the bytes of a message in the compressor's wire format
-(``values=``, ``indices=``): ``8 x slots`` for float32 values and int32
+(a :class:`~sidco_jax.costs.Codec`, the compressor's ``values`` and
+``indices``): ``8 x slots`` for float32 values and int32
 indices, so the sparse all-reduce stays below ``3 k x 8`` bytes whatever
 ``P``. Hierarchical aggregation adds a dense all-reduce over the fast inner
 axis and runs the mode over the slow outer one, on the node's whole mean or
@@ -112,21 +113,18 @@ def message_bytes(
     size: int,
     capacity: int,
     devices: int,
-    values: str = "float32",
-    indices: str = "int32",
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> int:
     """Bytes of the sparse message one device sends each other device in ``mode``.
 
     ``"sparse"``: its payload; ``"sparse_allreduce"``: its slots for one owner
-    and, as an owner, its reduced payload. ``values`` and ``indices`` name the
-    wire format (see :func:`sidco_jax.compress`).
+    and, as an owner, its reduced payload, in the wire format ``wire``.
     """
-    codec = codecs.Codec(values, indices)
     if mode == "sparse":
-        return codec.at(capacity, size).bytes(capacity, size)
+        return wire.at(capacity, size).bytes(capacity, size)
     sizes = plan(size, capacity, devices)
     return sum(
-        codec.at(slots, sizes.region).bytes(slots, sizes.region)
+        wire.at(slots, sizes.region).bytes(slots, sizes.region)
         for slots in (sizes.route, sizes.reduced)
     )
 
@@ -137,8 +135,7 @@ def received_bytes(
     capacity: int,
     devices: int,
     shared: bool = False,
-    values: str = "float32",
-    indices: str = "int32",
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> float:
     """Bytes one device receives to average the messages in ``mode``.
 
@@ -149,10 +146,7 @@ def received_bytes(
       devices: devices along the axis (``P``).
       shared: whether every device's payload has the same indices (then only
         the values are summed, in any mode).
-      values: the wire format of the values (``"float32"``, ``"bfloat16"``,
-        ``"int8"``, ``"sign"``).
-      indices: the wire format of the indices (``"int32"``, ``"chunked"``,
-        ``"auto"``).
+      wire: the wire format of a sparse message's values and indices.
 
     Returns:
       The bytes (0 on one device).
@@ -162,7 +156,7 @@ def received_bytes(
         return 2 * (p - 1) / p * VALUE_BYTES * size
     if shared:
         return 2 * (p - 1) / p * VALUE_BYTES * capacity
-    return (p - 1) * message_bytes(mode, size, capacity, p, values, indices)
+    return (p - 1) * message_bytes(mode, size, capacity, p, wire)
 
 
 def messages(mode: str, devices: int, shared: bool = False) -> int:
@@ -178,12 +172,11 @@ def seconds(
     devices: int,
     link: Link = DEFAULT_LINK,
     shared: bool = False,
-    values: str = "float32",
-    indices: str = "int32",
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> float:
     """Modelled time of one aggregation in ``mode``: latency plus transfer."""
-    wire = received_bytes(mode, size, capacity, devices, shared, values, indices)
-    return messages(mode, devices, shared) * link.latency + wire / link.bandwidth
+    received = received_bytes(mode, size, capacity, devices, shared, wire)
+    return messages(mode, devices, shared) * link.latency + received / link.bandwidth
 
 
 def hierarchical_seconds(
@@ -194,8 +187,7 @@ def hierarchical_seconds(
     local: int,
     outer: Link = DEFAULT_LINK,
     inner: Link = NODE_LINK,
-    values: str = "float32",
-    indices: str = "int32",
+    wire: codecs.Codec = codecs.DEFAULT,
     sharded: bool = False,
 ) -> float:
     """Modelled time of a dense all-reduce over ``local`` devices, then ``mode`` over ``nodes``.
@@ -210,7 +202,7 @@ def hierarchical_seconds(
     slice_size, slots = size, capacity
     if sharded:
         slice_size, slots = -(-size // local), -(-capacity // local)
-    outer_seconds = seconds(mode, slice_size, slots, nodes, outer, False, values, indices)
+    outer_seconds = seconds(mode, slice_size, slots, nodes, outer, False, wire)
     return seconds("dense", size, size, local, inner) + outer_seconds
 
 
@@ -220,8 +212,7 @@ def choose(
     devices: int,
     link: Link = DEFAULT_LINK,
     shared: bool = False,
-    values: str = "float32",
-    indices: str = "int32",
+    wire: codecs.Codec = codecs.DEFAULT,
 ) -> str:
     """The mode :func:`seconds` finds cheapest; ties (one device: all free) go to ``"sparse"``.
 
@@ -230,7 +221,7 @@ def choose(
     modes = ["sparse", "dense"] + (["sparse_allreduce"] if devices <= size and not shared else [])
     return min(
         modes,
-        key=lambda mode: seconds(mode, size, capacity, devices, link, shared, values, indices),
+        key=lambda mode: seconds(mode, size, capacity, devices, link, shared, wire),
     )
 
 
@@ -243,12 +234,21 @@ def _checked_link(name: str, link) -> Link:
     return check_link(link)
 
 
+def _checked_wire(name: str, wire) -> codecs.Codec:
+    if not isinstance(wire, codecs.Codec):
+        raise TypeError(
+            f"{name} must be a sidco_jax.costs.Codec, e.g. Codec(values='int8', "
+            f"indices='chunked'), got {wire!r}"
+        )
+    codecs.check(*wire)
+    return wire
+
+
 # How each argument of the public functions is checked: they are called to plan a job,
 # with values a person typed; the library's own calls pass values checked at construction.
 _CHECKS: dict[str, Callable] = {
     "mode": lambda name, v: check_choice(name, v, MODES) or v,
-    "values": lambda name, v: check_choice(name, v, codecs.VALUE_CODECS) or v,
-    "indices": lambda name, v: check_choice(name, v, codecs.INDEX_CODECS) or v,
+    "wire": _checked_wire,
     "shared": check_bool,
     "sharded": check_bool,
     **{k: _checked_link for k in ("link", "outer", "inner")},

@@ -26,6 +26,8 @@ Each phase runs under a ``jax.named_scope`` of its name, so a profile
 ``python -m benchmarks.overhead phases`` reads them out of one.
 """
 
+from typing import NamedTuple, TypedDict, Unpack
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,8 @@ from sidco_jax._src import aggregate as aggregate_lib
 from sidco_jax._src import codecs, costs, feedback, hierarchy, residuals, selection, slices
 from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import (
+    COMMUNICATIONS,
+    GRANULARITIES,
     MAX_SIZE,
     AxisName,
     Communication,
@@ -42,17 +46,46 @@ from sidco_jax._src.base import (
     CompressState,
     Granularity,
     Rule,
-    check_axis,
-    check_common,
+    axis_names,
+    check_bool,
+    check_choice,
     check_integer,
+    check_ratio,
     check_seed,
     empty_init,
     is_float,
     next_count,
+    static,
 )
 from sidco_jax._src.eager import compiled_when_eager
 from sidco_jax._src.layout import Layout
 from sidco_jax._src.warmup import warmed_up
+
+
+class LoopOptions(TypedDict, total=False):
+    """The options every compressor takes: the keywords of :func:`sparsifier`.
+
+    Defined once, here; each factory (:func:`~sidco_jax.compress`,
+    :func:`~sidco_jax.topk`, ..., :func:`~sidco_jax.dense`) adds its own
+    options to these. Their meaning and defaults are :func:`sparsifier`'s.
+    """
+
+    granularity: Granularity
+    error_feedback: bool
+    seed: int
+    axis_name: AxisName | None
+    communication: Communication
+    inner_axis: AxisName | None
+    inner_shards: int | None
+    link: costs.Link | None
+    warmup_steps: int
+    layout: Layout
+    bucket_bytes: int | None
+    values: codecs.ValueCodec
+    indices: codecs.IndexCodec
+
+
+LOOP_OPTIONS: tuple[str, ...] = tuple(LoopOptions.__annotations__)
 
 
 def step_metrics(ratio, sent, selected, n, eta, message, finite, dropped=0) -> CompressMetrics:
@@ -256,14 +289,106 @@ def sparsifier(
         bound (the update is not inside ``jax.shard_map`` or ``jax.pmap``
         over it).
     """
-    ratio = check_common(ratio, granularity, error_feedback)
-    seed = check_seed(seed)
-    check_axis(axis_name, communication, inner_axis)
-    shards = slices.check(inner_shards, inner_axis, layout)
-    link = costs.check_link(link)
-    warmup_steps = check_integer("warmup_steps", warmup_steps, 0)
-    bucket_bytes = layout_lib.check_layout(layout, bucket_bytes)
-    codecs.check(values, indices)
+    ratio, options = configure(
+        ratio,
+        granularity=granularity,
+        error_feedback=error_feedback,
+        seed=seed,
+        axis_name=axis_name,
+        communication=communication,
+        inner_axis=inner_axis,
+        inner_shards=inner_shards,
+        link=link,
+        warmup_steps=warmup_steps,
+        layout=layout,
+        bucket_bytes=bucket_bytes,
+        values=values,
+        indices=indices,
+    )
+    return build(rule, ratio, **options)
+
+
+class Options(NamedTuple):
+    """``ratio`` and the loop's options, as :func:`configure` checks them and :func:`build` trusts.
+
+    As given to :func:`sparsifier`, but concrete numbers are Python numbers,
+    ``link`` is a :class:`~sidco_jax.costs.Link` (never None) and
+    ``bucket_bytes`` an int.
+    """
+
+    ratio: float
+    granularity: str
+    error_feedback: bool
+    seed: int | jax.Array
+    axis_name: AxisName | None
+    communication: str
+    inner_axis: AxisName | None
+    inner_shards: int | None
+    link: costs.Link
+    warmup_steps: int | jax.Array
+    layout: str
+    bucket_bytes: int
+    values: str
+    indices: str
+
+
+def configure(ratio, **options: Unpack[LoopOptions]) -> tuple[float, LoopOptions]:
+    """``ratio`` and every option of :func:`sparsifier`, checked: the one place they are.
+
+    Returns:
+      ``ratio`` as a Python float and the options, each checked (see :class:`Options`).
+
+    Raises:
+      TypeError: for an option of the wrong type (see :func:`sparsifier`).
+      ValueError: for one out of range, an unknown name, a traced ``ratio`` (it
+        sets the payload's shape), or options that do not go together.
+    """
+    o = Options(check_ratio(static("ratio", ratio)), **options)
+    check_choice("granularity", o.granularity, GRANULARITIES)
+    check_bool("error_feedback", o.error_feedback)
+    _check_axes(o.axis_name, o.communication, o.inner_axis)
+    codecs.check(o.values, o.indices)
+    checked = o._replace(
+        seed=check_seed(o.seed),
+        inner_shards=slices.check(o.inner_shards, o.inner_axis, o.layout),
+        link=costs.check_link(o.link),
+        warmup_steps=check_integer("warmup_steps", o.warmup_steps, 0),
+        bucket_bytes=layout_lib.check_layout(o.layout, o.bucket_bytes),
+    )._asdict()
+    return checked.pop("ratio"), checked
+
+
+def _check_axes(axis_name, communication, inner_axis) -> None:
+    """Refuses a bad ``axis_name``, ``communication`` or ``inner_axis``, or a bad pair."""
+    for name, value in (("axis_name", axis_name), ("inner_axis", inner_axis)):
+        names = axis_names(value)
+        if value is not None and not (names and all(isinstance(a, str) for a in names)):
+            raise ValueError(
+                f"{name} must be None, a mesh axis name or a tuple of them, got {value!r}"
+            )
+    check_choice("communication", communication, COMMUNICATIONS)
+    if inner_axis is None:
+        return
+    if axis_name is None:
+        raise ValueError(
+            f"inner_axis={inner_axis!r} needs an axis_name to compress over (the slow axis "
+            "across nodes); without one, average over the inner axis yourself"
+        )
+    if set(axis_names(inner_axis)) & set(axis_names(axis_name)):
+        raise ValueError(
+            f"inner_axis={inner_axis!r} must differ from axis_name={axis_name!r}: the inner "
+            "axis is averaged densely, axis_name is compressed"
+        )
+
+
+def build(
+    rule: Rule, ratio: float, **options: Unpack[LoopOptions]
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`sparsifier` of ``ratio`` and options :func:`configure` checked (all of them)."""
+    _, granularity, error_feedback, seed, axis_name, communication, *rest = Options(
+        ratio, **options
+    )
+    inner_axis, shards, link, warmup_steps, layout, bucket_bytes, values, indices = rest
     wire = codecs.Codec(values, indices)
     by_leaf = granularity == "leaf"
     node = hierarchy.choose(inner_axis, shards)
@@ -349,25 +474,21 @@ def sparsifier(
 
     compressed = optax.GradientTransformationExtraArgs(init, update)
     if not (isinstance(warmup_steps, int) and warmup_steps == 0):
-        dense = dense_mean(axis_name, inner_axis, layout, bucket_bytes)
+        dense = _dense_mean(options)
         compressed = warmed_up(compressed, dense, warmup_steps)
     return compiled_when_eager(compressed)
 
 
-def dense_mean(
-    axis_name: AxisName | None,
-    inner_axis: AxisName | None = None,
-    layout: Layout = "auto",
-    bucket_bytes: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+def _dense_mean(options: LoopOptions) -> optax.GradientTransformationExtraArgs:
     """The loop with a rule that sends everything: the plain mean over the axes, no residual."""
-    return sparsifier(
-        Rule(empty_init, selection.everything),
-        ratio=1.0,
-        error_feedback=False,
-        axis_name=axis_name,
-        communication="dense",
-        inner_axis=inner_axis,
-        layout=layout,
-        bucket_bytes=bucket_bytes,
-    )
+    dense = {
+        **options,
+        "granularity": "model",
+        "error_feedback": False,
+        "communication": "dense",
+        "inner_shards": None,
+        "warmup_steps": 0,
+        "values": "float32",
+        "indices": "int32",
+    }
+    return build(Rule(empty_init, selection.everything), 1.0, **dense)

@@ -1,61 +1,58 @@
-"""The options every compressor shares, defined once: :func:`sparsifier`'s keywords.
+"""How a compressor's factory takes the loop's options: checked once, handed on checked.
 
 Each factory (:func:`~sidco_jax.compress`, :func:`~sidco_jax.topk`, ...,
-:func:`~sidco_jax.dense`) takes its own options and ``**options``, typed by
-:class:`LoopOptions`; :func:`takes_loop_options` lists them in its signature.
+:func:`~sidco_jax.dense`) is written as ``factory(ratio, *, own options,
+**options)`` and decorated with :func:`takes_loop_options`. The decorator
+checks ``ratio`` and the loop's options (:func:`~sidco_jax._src.loop.configure`,
+the one place they are checked) and calls the factory with them checked; the
+factory checks its own options and hands the rest to
+:func:`~sidco_jax._src.loop.build`, which trusts them.
 """
 
 import functools
 import inspect
-from typing import TypedDict
 
-from sidco_jax._src import codecs, costs, memo
-from sidco_jax._src.base import AxisName, Communication, Granularity
-from sidco_jax._src.layout import Layout
-from sidco_jax._src.loop import sparsifier
+from sidco_jax._src import memo
+from sidco_jax._src.loop import LOOP_OPTIONS, configure, sparsifier
 
 
-class LoopOptions(TypedDict, total=False):
-    """The options every compressor takes: the keywords of :func:`sparsifier`.
-
-    Defined once, here; each factory (:func:`~sidco_jax.compress`,
-    :func:`~sidco_jax.topk`, ..., :func:`~sidco_jax.dense`) adds its own
-    options to these. Their meaning and defaults are :func:`sparsifier`'s.
-    """
-
-    granularity: Granularity
-    error_feedback: bool
-    seed: int
-    axis_name: AxisName | None
-    communication: Communication
-    inner_axis: AxisName | None
-    inner_shards: int | None
-    link: costs.Link | None
-    warmup_steps: int
-    layout: Layout
-    bucket_bytes: int | None
-    values: codecs.ValueCodec
-    indices: codecs.IndexCodec
-
-
-LOOP_OPTIONS: tuple[str, ...] = tuple(LoopOptions.__annotations__)
-
-
-def takes_loop_options(factory):
+def takes_loop_options(factory=None, /, **defaults):
     """Decorates ``factory(ratio, *, own options, **options)`` to take the loop's options.
 
-    Its signature lists the loop's options after its own, as keyword-only
-    parameters with :func:`sparsifier`'s defaults: ``inspect.signature``,
-    ``optax.inject_hyperparams`` and the registry see every option. An option
-    the factory does not take is refused with the list of those it does. A
-    call with the arguments of a recent one returns the same transformation.
+    The decorated factory's signature lists the loop's options after its own,
+    as keyword-only parameters with :func:`sparsifier`'s defaults (or
+    ``defaults``, e.g. ``error_feedback=False``): ``inspect.signature``,
+    ``optax.inject_hyperparams`` and the registry see every option. A call
+    checks ``ratio`` and the loop's options once, and calls ``factory`` with
+    ``ratio`` a Python float and every loop option checked; a factory without
+    ``ratio`` sends every entry (ratio 1). An option the factory does not take
+    is refused with the list of those it does. A call with the arguments of a
+    recent one returns the same transformation.
     """
-    loop = [p for p in inspect.signature(sparsifier).parameters.values() if p.name in LOOP_OPTIONS]
-    signature = inspect.signature(factory)
-    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    signature = signature.replace(parameters=[*own, *loop])
+    if factory is None:
+        return functools.partial(takes_loop_options, **defaults)
+    own = inspect.signature(factory)
+    loop = [
+        p.replace(default=defaults.get(p.name, p.default))
+        for p in inspect.signature(sparsifier).parameters.values()
+        if p.name in LOOP_OPTIONS
+    ]
+    mine = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    signature = own.replace(parameters=[*mine, *loop])
     allowed = tuple(p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY)
-    build = memo.memoized(factory)
+
+    def checked(*args, **options):
+        arguments = signature.bind(*args, **options)
+        arguments.apply_defaults()
+        arguments = dict(arguments.arguments)
+        ratio, options = configure(
+            arguments.pop("ratio", 1.0), **{k: arguments.pop(k) for k in LOOP_OPTIONS}
+        )
+        if "ratio" in own.parameters:
+            arguments["ratio"] = ratio
+        return factory(**arguments, **options)
+
+    build = memo.memoized(checked)
 
     @functools.wraps(factory)
     def with_options(*args, **options):

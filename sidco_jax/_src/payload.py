@@ -109,7 +109,11 @@ def capacity(size: int, ratio: float, capacity_factor: float = 1.0) -> int:
     """
     size = check_integer("size", static("size", size), 0)
     ratio = check_ratio(static("ratio", ratio))
-    capacity_factor = check_capacity_factor(capacity_factor)
+    return slots_for(size, ratio, check_capacity_factor(capacity_factor))
+
+
+def slots_for(size: int, ratio: float, capacity_factor: float) -> int:
+    """:func:`capacity` of arguments already checked (the compressors' own)."""
     return int(min(max(math.ceil(capacity_factor * ratio * size), 1), max(size, 1)))
 
 

@@ -18,17 +18,24 @@ import optax
 
 from sidco_jax._src import baselines
 from sidco_jax._src.base import check_choice, check_ratio, static
-from sidco_jax._src.options import LoopOptions, takes_loop_options
+from sidco_jax._src.loop import LoopOptions
 from sidco_jax._src.sidco import compress
 
 Factory = Callable[..., optax.GradientTransformationExtraArgs]
 
 
-@takes_loop_options
 def _dense(ratio: float, **options: Unpack[LoopOptions]) -> optax.GradientTransformationExtraArgs:
     # Checked like the others', though it sends everything; injecting it would change nothing.
     check_ratio(static("ratio", ratio, "is ignored by 'dense', which sends every entry"))
     return baselines.dense(**options)
+
+
+_dense.__signature__ = inspect.signature(baselines.dense).replace(
+    parameters=[
+        inspect.Parameter("ratio", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *inspect.signature(baselines.dense).parameters.values(),
+    ]
+)
 
 
 class Traits(NamedTuple):

@@ -33,8 +33,8 @@ from sidco_jax._src.base import (
     cond_on_device,
     static,
 )
-from sidco_jax._src.loop import sparsifier
-from sidco_jax._src.options import LoopOptions, takes_loop_options
+from sidco_jax._src.loop import LoopOptions, build
+from sidco_jax._src.options import takes_loop_options
 from sidco_jax._src.selection import fill_if_starved
 
 STARTING_STAGES = (
@@ -81,7 +81,7 @@ def rule(
     ``carry``: whether ``"fill"`` tries the last step's threshold first (one
     threshold over the whole model; per leaf there are several).
     """
-    limit = thresholds.max_stages(ratio)
+    limit = thresholds.stage_limit(ratio)
 
     def init(params):
         del params
@@ -96,7 +96,7 @@ def rule(
     def select(vectors, abs_sums, state, key):
         del key
         n = sum(v.shape[0] for v in vectors)
-        cap = payload_lib.capacity(n, ratio, capacity_factor)
+        cap = payload_lib.slots_for(n, ratio, capacity_factor)
 
         def fitted():
             total = jnp.sum(abs_sums)
@@ -262,7 +262,6 @@ def compress(
     # Concrete NumPy and JAX scalars become Python numbers here, so nothing
     # traced under jit depends on them; traced ones (optax.inject_hyperparams)
     # pass through where they may vary, and are refused where they set a shape.
-    ratio = check_ratio(static("ratio", ratio))
     capacity_factor = check_capacity_factor(capacity_factor)
     check_estimator(estimator)
     first_ratio = check_ratio(first_ratio, "first_ratio")
@@ -270,7 +269,7 @@ def compress(
     if adaptation is not None:
         stages = static("stages", stages, STARTING_STAGES)
     stages = thresholds.check_stages(
-        min(3, thresholds.max_stages(ratio)) if stages is None else stages, ratio
+        min(3, thresholds.stage_limit(ratio)) if stages is None else stages, ratio
     )
     period = check_integer("period", period, 1)
     band = check_number("band", band, 0.0, 1.0, open_low=True, open_high=True)
@@ -284,6 +283,6 @@ def compress(
         capacity_factor=capacity_factor,
         period=period,
         band=band,
-        carry=options.get("granularity", "model") == "model",
+        carry=options["granularity"] == "model",
     )
-    return sparsifier(sidco_rule, ratio=ratio, **options)
+    return build(sidco_rule, ratio, **options)

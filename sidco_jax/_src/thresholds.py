@@ -58,7 +58,11 @@ def max_stages(ratio: float) -> int:
       >>> max_stages(0.001), max_stages(0.01), max_stages(0.6)
       (10, 7, 1)
     """
-    ratio = check_ratio(ratio)
+    return stage_limit(check_ratio(ratio))
+
+
+def stage_limit(ratio: float) -> int:
+    """:func:`max_stages` of a ``ratio`` already checked."""
     return max(1, math.ceil(math.log2(1.0 / ratio)))
 
 
@@ -74,7 +78,7 @@ def check_stages(stages, ratio):
     """
     if isinstance(ratio, jax.core.Tracer):
         return check_integer("stages", stages, 1)
-    return check_integer("stages", stages, 1, max_stages(ratio), f" for ratio {ratio}")
+    return check_integer("stages", stages, 1, stage_limit(ratio), f" for ratio {ratio}")
 
 
 def _magnitude(v, zero, inv_scale):
@@ -287,7 +291,7 @@ def from_abs_sum(x, total, ratio, estimator, stages, first_ratio) -> jax.Array:
     if n == 0:
         return jnp.zeros((), jnp.float32)
     traced_ratio = isinstance(ratio, jax.core.Tracer)
-    limit = None if traced_ratio else max_stages(ratio)
+    limit = None if traced_ratio else stage_limit(ratio)
     # A traced ratio or first_ratio outside (0, 1] (NaN included) gives NaN,
     # which selects nothing; the stages run on valid stand-ins.
     ratio, first_ratio = jnp.asarray(ratio, jnp.float32), jnp.asarray(first_ratio, jnp.float32)
