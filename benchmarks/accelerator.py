@@ -16,9 +16,7 @@ compile time.
 """
 
 import argparse
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -27,8 +25,8 @@ import jax.numpy as jnp
 from jax import P
 
 import sidco_jax as sidco
-from benchmarks import host
-from benchmarks.overhead import compressor
+from benchmarks import harness
+from benchmarks.harness import compressor
 from benchmarks.trees import gpt2, resnet50
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,16 +120,9 @@ def main(argv=None) -> list[dict]:
             )
     from importlib.metadata import version
 
-    meta = {
-        "command": " ".join(["python -m benchmarks.accelerator", *(argv or sys.argv[1:])]),
-        "topology": TOPOLOGY,
-        "ratio": args.ratio,
-        "jax": jax.__version__,
-        "libtpu": version("libtpu"),
-        **host.describe(),
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    more = {"topology": TOPOLOGY, "ratio": args.ratio, "libtpu": version("libtpu")}
+    meta = harness.meta("benchmarks.accelerator", argv, **more)
+    harness.write(args.json, {"meta": meta, "rows": rows})
     return rows
 
 

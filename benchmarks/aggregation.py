@@ -18,7 +18,6 @@ devices, whose every byte may cross nodes.
 
 import argparse
 import functools
-import json
 import os
 import pathlib
 
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
+from benchmarks import harness
 
 SHAPES = {"w": (1024, 896), "b": (131072,)}  # 2^20 entries
 SIZE = 1024 * 896 + 131072
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     hierarchy = hierarchical_rows(args.ratios)
     print(tables(flat, hierarchy))
     if args.json:
-        args.json.write_text(json.dumps({"flat": flat, "hierarchical": hierarchy}, indent=1))
+        harness.write(args.json, {"flat": flat, "hierarchical": hierarchy})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import sidco_jax as sidco
-from benchmarks import trees
+from benchmarks import harness, trees
 
 FIGURES = 64  # bytes: collectives this small carry the step's agreed figures
 PAIRS = [(v, i) for v in sidco.VALUE_CODECS for i in ("int32", "chunked")]
@@ -168,7 +168,7 @@ def main(argv=None) -> list[dict]:
     found = rows(args.trees, args.ratios, args.layout)
     print(table(found))
     if args.json:
-        args.json.write_text(json.dumps(found, indent=1))
+        harness.write(args.json, found)
     return found
 
 

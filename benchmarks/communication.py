@@ -5,14 +5,13 @@ parameters) under ``jax.shard_map`` over 8 forced CPU devices for every
 compressor, lists the collectives XLA emitted (``sidco.hlo.collectives``) and
 times the step (median over repetitions, compressors run round-robin).
 
-    python benchmarks/communication.py --ratios 0.01 0.001 --repeats 20
+    python -m benchmarks.communication --ratios 0.01 0.001 --repeats 20
 """
 
 import argparse
 import functools
 import itertools
 import os
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
+from benchmarks import harness
 
 AXIS = "data"
 LAYERS = (784, 1024, 256, 10)
@@ -92,30 +92,25 @@ def main() -> None:
     print(f"{n} parameters, {devices} devices, jax {jax.__version__}, {jax.devices()[0].platform}")
 
     for ratio in args.ratios:
-        runs = {}
+        steps, found = {}, {}
         for name, compressor in compressors(ratio).items():
             step, state = build(compressor, mesh, params)
-            found = sidco.hlo.collectives(step.lower(params, state, x, y).compile())
-            jax.block_until_ready(step(params, state, x, y))
-            runs[name] = (step, state, found, [])
-        for _ in range(args.repeats):
-            for step, state, _, times in runs.values():
-                start = time.perf_counter()
-                jax.block_until_ready(step(params, state, x, y))
-                times.append(time.perf_counter() - start)
-        dense_ms = 1e3 * np.median(runs["dense"][3])
+            found[name] = sidco.hlo.collectives(step.lower(params, state, x, y).compile())
+            steps[name] = functools.partial(step, params, state)
+        times = harness.measure(steps, (x, y), args.repeats)
+        dense_ms = times["dense"]["median"]
         print(f"\nratio {ratio}")
         print(
             "| compressor | collectives | bytes sent / device | bytes received / device "
             "| / dense | step ms | / dense step |"
         )
         print("|---|---|---:|---:|---:|---:|---:|")
-        dense_bytes = sum(c.operand_bytes for c in runs["dense"][2])
-        for name, (_, _, found, times) in runs.items():
-            sent = sum(c.operand_bytes for c in found)
-            got = sum(c.result_bytes for c in found)
-            kinds = ", ".join(sorted({c.kind for c in found}))
-            ms = 1e3 * np.median(times)
+        dense_bytes = sum(c.operand_bytes for c in found["dense"])
+        for name, collectives in found.items():
+            sent = sum(c.operand_bytes for c in collectives)
+            got = sum(c.result_bytes for c in collectives)
+            kinds = ", ".join(sorted({c.kind for c in collectives}))
+            ms = times[name]["median"]
             print(
                 f"| {name} | {kinds} | {sent:,} | {got:,} | {sent / dense_bytes:.4f} "
                 f"| {ms:.1f} | {ms / dense_ms:.2f} |"

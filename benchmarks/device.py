@@ -34,10 +34,7 @@ on a GPU yet).
 import argparse
 import datetime
 import gc
-import json
 import math
-import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -48,7 +45,7 @@ import optax
 from jax import lax
 
 import sidco_jax as sidco
-from benchmarks import host, trees
+from benchmarks import harness, trees
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 STAGES = 3
@@ -144,41 +141,13 @@ def densities(fns: dict, x: jax.Array, ratio: float) -> dict[str, float]:
     return {name: int(fns[name](x).selected) / x.size / ratio for name in VARIANTS}
 
 
-def measure(fns: dict, x: jax.Array, repeats: int) -> dict[str, dict[str, float]]:
-    """Milliseconds of each function (median, p25, p75), round-robin after warm-up.
-
-    The warm-up call (compilation included) is reported as ``first``.
-    """
-    first = {}
-    for name, f in fns.items():
-        start = time.perf_counter()
-        jax.block_until_ready(f(x))
-        first[name] = (time.perf_counter() - start) * 1e3
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(x))
-            times[name].append((time.perf_counter() - start) * 1e3)
-    out = {}
-    for name, t in times.items():
-        p25, median, p75 = np.percentile(t, [25, 50, 75])
-        out[name] = {
-            "median": float(median),
-            "p25": float(p25),
-            "p75": float(p75),
-            "first": float(first[name]),
-        }
-    return out
-
-
 def run_size(log2_n: int, ratios: list[float], repeats: int, seed: int, rows: list[dict]) -> None:
     """Appends one row per ratio for ``n = 2**log2_n`` to ``rows`` as it goes."""
     x = data(log2_n, seed)
     n = x.size
     for ratio in ratios:
         fns = {**methods(n, ratio), **updates(x, ratio)}
-        ms = measure(fns, x, repeats)
+        ms = harness.measure(fns, (x,), repeats)
         base, floor = ms[BASE]["median"], ms[FLOOR]["median"]
         rows.append(
             {
@@ -247,7 +216,7 @@ def training_steps(grads: dict, ratio: float) -> dict:
 def run_tree(name: str, ratio: float, repeats: int, seed: int, rows: list[dict]) -> None:
     """Appends the training-step row of model tree ``name`` to ``rows``."""
     grads = tree_gradient(name, seed)
-    ms = measure(training_steps(grads, ratio), grads, repeats)
+    ms = harness.measure(training_steps(grads, ratio), (grads,), repeats)
     floor = ms[FLOOR]["median"]
     top = {layout: ms[f"step topk [{layout}]"]["median"] for layout in trees.LAYOUTS}
     rows.append(
@@ -393,22 +362,18 @@ def main(argv=None) -> list[dict]:
     print()
     print(text)
 
-    meta = {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(device.device_kind),
-        "device_count": jax.device_count(),
-        **host.describe(),
-        "repeats": args.repeats,
-        "stages": STAGES,
-        "seed": args.seed,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(
-            ["python", "-m", "benchmarks.device", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "budget_s": args.budget,
-        "total_s": total,
-    }
+    meta = harness.meta(
+        "benchmarks.device",
+        argv,
+        device=str(device.device_kind),
+        device_count=jax.device_count(),
+        repeats=args.repeats,
+        stages=STAGES,
+        seed=args.seed,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        budget_s=args.budget,
+        total_s=total,
+    )
     result = {
         "meta": meta,
         "tree_rows": tree_rows,
@@ -416,9 +381,8 @@ def main(argv=None) -> list[dict]:
         "errors": errors,
         "skipped_sizes": skipped,
     }
-    for path in (args.json, table_path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    harness.write(args.json, result)
+    table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(text + "\n")
     print(f"\nwrote {args.json} and {table_path}")
     return rows

@@ -18,7 +18,6 @@ Needs scikit-learn (``pip install -e ".[examples]"``) for the digits.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import jax
@@ -27,6 +26,7 @@ import numpy as np
 import optax
 
 import sidco_jax as sidco
+from benchmarks import harness
 
 WARMUP = 100  # steps left out of the density figures (--warmup)
 
@@ -206,7 +206,7 @@ def main(argv=None) -> list[dict]:
                     flush=True,
                 )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=2))
+    harness.write(args.json, rows)
     return rows
 
 

@@ -50,7 +50,7 @@ def run(label: str, config, trainer, task, skip: int) -> dict:
     """One run of ``trainer`` with the compressor of ``label``: its figures after ``skip`` steps."""
     import numpy as np
 
-    from benchmarks.overhead import parse_label
+    from benchmarks.harness import parse_label
 
     history = trainers.train(label, config, trainer, task)
     achieved = np.asarray(history.achieved)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sidco_jax as sidco
-from benchmarks import overhead, trees
+from benchmarks import harness, trees
 
 FIGURES = 64  # bytes: collectives this small carry the step's agreed figures
 SHAPES = {"flat": lambda: [(2**22,)], **trees.TREES}
@@ -140,7 +140,7 @@ def time_rows(tree_names, ratios, rounds: int) -> list[dict]:
             for x in one.values()
         ]
         runs = {v: functools.partial(lambda f, s, g: f(s, g), fns[v], args[v]) for v in fns}
-        times = overhead.measure(runs, (grads,), rounds)
+        times = harness.measure(runs, (grads,), rounds)
         row = {"tree": name, "ratio": ratio, "mesh": f"{nodes}x{local}", **times}
         out.append(row)
         print(json.dumps(row), flush=True)
@@ -175,7 +175,7 @@ def main(argv=None) -> list[dict]:
         print(table(found))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(found, indent=1))
+        harness.write(args.json, found)
     return found
 
 

@@ -70,7 +70,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import host
+from benchmarks import harness, host
 from benchmarks.virtual_link import VirtualLink, bits_per_second, unavailable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def compressor(label: str, ratio: float, axis_name: str | None):
     over each process's own devices, compressed across the processes (the link).
     The one place this benchmark gets compressors from.
     """
-    from benchmarks.overhead import compressor as named  # "sidco-e paper" too
+    from benchmarks.harness import compressor as named  # "sidco-e paper" too
 
     name = label.removesuffix(HIERARCHICAL)
     if label.endswith(HIERARCHICAL) and axis_name is not None:
@@ -805,7 +805,7 @@ def main(argv=None) -> int:
         return 0
     for rate in [*args.bandwidths, *args.target_bandwidth]:
         bits_per_second(rate)  # a bad rate fails here, before anything is created
-    from benchmarks.overhead import LABELS, parse_label
+    from benchmarks.harness import LABELS, parse_label
 
     for label in {*args.compressors, *args.hierarchical, *args.target_compressors}:
         label, _, every = label.partition(OUTER)
@@ -863,7 +863,7 @@ def main(argv=None) -> int:
             "time_to_target": targets,
             "traces": traces,
         }
-        args.json.write_text(json.dumps(record, indent=1))
+        harness.write(args.json, record)
     if args.plots:
         plots(rows, traces, args.plots)
     return 0

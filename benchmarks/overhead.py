@@ -46,7 +46,6 @@ real gradients of the examples' models (their parameter trees).
 """
 
 import argparse
-import ast
 import bisect
 import contextlib
 import functools
@@ -54,9 +53,7 @@ import gzip
 import json
 import math
 import re
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -66,7 +63,8 @@ import optax
 from jax import lax
 
 import sidco_jax as sidco
-from benchmarks import host
+from benchmarks import harness
+from benchmarks.harness import LABELS, compressor, measure, own_arguments, quartiles
 from examples.common.training import example  # the examples' models, for real parameter trees
 from sidco_jax._src import thresholds
 
@@ -74,67 +72,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 MODES = ("kernels", "updates", "phases", "step", "axis")
-
-
-# SIDCo-E/P with the paper's stage adaptation (docs/optax.md), beside the registry's
-# compressors, which keep the default adaptation ("fill").
-PAPER = {f"{name} paper": name for name in ("sidco-e", "sidco-p")}
-LABELS = (*sidco.COMPRESSORS, *PAPER)
-
-
-def parse_label(label: str) -> tuple[str, dict]:
-    """``"sidco-e:values=int8,indices=chunked"`` -> ``("sidco-e", {...})``: a name, its options."""
-    name, _, rest = label.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return name, options
-
-
-def compressor(label: str, ratio: float, **options) -> optax.GradientTransformation:
-    """The compressor a row label names: a name of :data:`LABELS`, options after a colon."""
-    name, given = parse_label(label)
-    if name in PAPER:
-        return sidco.compressor(PAPER[name], ratio, adaptation="paper", **given, **options)
-    return sidco.compressor(name, ratio, **given, **options)
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def measure(fns: dict, args: tuple, repeats: int) -> dict[str, dict]:
-    """Median and quartiles (ms) of each ``fn(*args)``, interleaved round-robin after warm-up."""
-    for f in fns.values():
-        jax.block_until_ready(f(*own_arguments(f, args)))
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            f_args = own_arguments(f, args)
-            start = time.perf_counter()
-            jax.block_until_ready(f(*f_args))
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: quartiles(t) for name, t in times.items()}
-
-
-def quartiles(times: list[float]) -> dict[str, float]:
-    """The median and the interquartile range of ``times``."""
-    return {
-        "median": float(np.median(times)),
-        "p25": float(np.percentile(times, 25)),
-        "p75": float(np.percentile(times, 75)),
-    }
-
-
-def own_arguments(f, args: tuple) -> tuple:
-    """``args``, or fresh copies of them, made before the timer starts, for a call that
-    donates them (``f.donates``): a donated buffer is gone after the call."""
-    if getattr(f, "donates", False):
-        return jax.block_until_ready(jax.tree.map(jnp.copy, args))
-    return args
 
 
 def one_pass(grads):
@@ -764,18 +701,10 @@ def main(argv=None) -> list[dict]:
                 print(table(rows[-1:]).split("\n", 2)[2], flush=True)
     print()
     print(table(rows))
-    meta = {
-        "command": " ".join(["python -m benchmarks.overhead", *(argv or sys.argv[1:])]),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        **host.describe(),
-        "repeats": args.repeats,
-    }
+    device = str(jax.devices()[0].device_kind)
+    meta = harness.meta("benchmarks.overhead", argv, device=device, repeats=args.repeats)
     path = args.json or ROOT / "benchmarks" / "results" / f"overhead_{args.mode}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {harness.write(path, {'meta': meta, 'rows': rows})}")
     return rows
 
 

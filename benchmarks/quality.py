@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sidco_jax as sidco
+from benchmarks import harness
 from sidco_jax import stats
 from sidco_jax._src import thresholds
 
@@ -317,12 +318,12 @@ def main(argv=None) -> list[dict]:
         vectors = {**laws(2**args.log2_n, args.seed), **captured(args.gradients)}
         rows = sampled(vectors, args.ratios, args.stages)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        harness.write(args.json, rows)
         return rows
     if args.tails:
         rows = tails({**laws(2**args.log2_n, args.seed), **captured(args.gradients)}, args.ratios)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        harness.write(args.json, rows)
         return rows
     if args.compressors:
         vectors = {**laws(2**args.log2_n, args.seed), **captured(args.gradients)}
@@ -333,7 +334,7 @@ def main(argv=None) -> list[dict]:
         if args.plot:
             plot(rows, args.plot)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "medians": table, "runs": runs}, indent=2))
+        harness.write(args.json, {"rows": rows, "medians": table, "runs": runs})
         return rows
 
     eta_of = jax.jit(sidco.threshold, static_argnames=("estimator",))
@@ -352,7 +353,7 @@ def main(argv=None) -> list[dict]:
             rows.append({"law": law, "ratio": ratio, "achieved_over_target": got})
             print(f"| {law} | {ratio} | " + " | ".join(f"{v:.2f}" for v in got.values()) + " |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=2))
+    harness.write(args.json, rows)
     return rows
 
 

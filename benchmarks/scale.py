@@ -29,9 +29,9 @@ the wire by ``benchmarks/network.py --hierarchical`` (docs/benchmarks.md).
 
 import argparse
 import itertools
-import json
 import pathlib
 
+from benchmarks import harness
 from sidco_jax import costs
 
 MODES = ("dense", "sparse", "sparse_allreduce")
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     )
     print(tables(rows, crossings))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "crossovers": crossings}, indent=1))
+        harness.write(args.json, {"rows": rows, "crossovers": crossings})
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ every run of a seed draws the same batches, whatever its label.
 import argparse
 import dataclasses
 import importlib
-import json
 import pathlib
 import tempfile
+
+from benchmarks import harness
 
 
 def parser(doc: str, *, ratio: float, steps: int | None) -> argparse.ArgumentParser:
@@ -46,7 +47,7 @@ def prepare(args: argparse.Namespace, **changes):
 
 def train(label: str, config, trainer, task):
     """The history of one run of ``trainer`` with the compressor of ``label``."""
-    from benchmarks.overhead import parse_label
+    from benchmarks.harness import parse_label
 
     name, options = parse_label(label)
     with tempfile.TemporaryDirectory() as workdir:
@@ -56,5 +57,4 @@ def train(label: str, config, trainer, task):
 def write(rows: list[dict], path: pathlib.Path | None) -> None:
     """Writes ``rows`` as JSON to ``path``, if given."""
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=2))
+        harness.write(path, rows)

@@ -38,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import sidco_jax as sidco
-from benchmarks import host
-from benchmarks.overhead import carried, compressor, measure, one_pass
+from benchmarks import harness
+from benchmarks.harness import compressor, measure
+from benchmarks.overhead import carried, one_pass
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("tree", "buckets")
@@ -208,16 +209,9 @@ def main(argv=None) -> dict:
                 firsts.setdefault(sidco.traits(method).kind, method)
             methods = list(firsts.values())
         rows = compile_all(methods, args.layouts)
-    meta = {
-        "command": " ".join(["python -m benchmarks.trees", *(argv or sys.argv[1:])]),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        **host.describe(),
-    }
+    meta = harness.meta("benchmarks.trees", argv)
     path = args.json or ROOT / "benchmarks" / "results" / f"trees_{args.mode}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {harness.write(path, {'meta': meta, 'rows': rows})}")
     if args.check and args.mode == "compile":
         slow = [
             r for r in rows if r["seconds"] > COMPILE_SECONDS or r["peak_bytes"] > COMPILE_BYTES
