@@ -194,7 +194,8 @@ def test_dgc_trims_to_exact_topk_when_the_sample_threshold_is_too_low(rng):
     order = np.argsort(-np.abs(g))
     top = np.sort(order[:20])
     trimmed = 0
-    for seed in range(8):
+    # A program per seed and tree: 4 seeds trim in 6 of the 8 runs (both trees) and not in 2.
+    for seed in range(4):
         tx = sidco.dgc(0.01, seed=seed)
         for tree in (g, {"a": g[:700].reshape(35, 20), "b": g[700:]}):
             sent, state = jax.jit(tx.update)(tree, tx.init(tree))  # eager: twice as long
@@ -230,13 +231,15 @@ def test_inside_multisteps_equals_compressing_the_mean_gradient(rng):
     inner = optax.chain(sidco.compress(0.05), optax.sgd(0.1))
     multi = optax.MultiSteps(inner, every_k_schedule=4)
     params, state = jnp.zeros(500), multi.init(jnp.zeros(500))
+    update = jax.jit(multi.update)
     for g in grads:
-        updates, state = jax.jit(multi.update)(g, state, params)
+        updates, state = update(g, state, params)
         params = optax.apply_updates(params, updates)
     ref_params, ref_state = jnp.zeros(500), inner.init(jnp.zeros(500))
+    reference = jax.jit(inner.update)  # eager, it took longer than the compile
     for i in (0, 4):
         mean = np.mean(grads[i : i + 4], axis=0)
-        updates, ref_state = inner.update(mean, ref_state, ref_params)
+        updates, ref_state = reference(mean, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
     np.testing.assert_allclose(params, ref_params, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(sidco.metrics(state)["step"], sidco.metrics(ref_state)["step"])

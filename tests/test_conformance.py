@@ -232,14 +232,15 @@ def test_every_compressor_survives_every_hostile_input(name, granularity, layout
     assert int(state.count) == len(SCENARIOS)
 
 
-# Ratio 1 asks for every entry: each compressor, at both granularities and in
-# both layouts, must then be the dense mean, leaving nothing in the residual.
-RATIO_ONE_CASES = [
-    (n, g, layout)
-    for n in sidco.COMPRESSORS
-    for g in (sidco.GRANULARITIES if n in SELECTING else ("model",))
-    for layout in (("tree", "buckets") if g == "model" else ("tree",))  # per leaf: one part each
-]
+# Ratio 1 asks for every entry: each compressor must then be the dense mean, leaving
+# nothing in the residual. A rule's ratio-1 case is its own: every compressor, over the
+# whole model; the buckets and the per-leaf runs are the loop's (as above: each kind of
+# rule once).
+RATIO_ONE_CASES = (
+    [(n, "model", "tree") for n in sidco.COMPRESSORS]
+    + [(n, "model", "buckets") for n in one_of_each_kind(sidco.COMPRESSORS)]
+    + [(n, "leaf", "tree") for n in LEAF_RULES]  # per leaf: one part each
+)
 
 
 @pytest.mark.parametrize(("name", "granularity", "layout"), RATIO_ONE_CASES)
@@ -265,8 +266,10 @@ def test_every_compressor_at_ratio_one_is_the_dense_mean(name, granularity, layo
                 assert not np.any(left), f"{scenario}: {k} kept {np.count_nonzero(left)} entries"
 
 
-@pytest.mark.parametrize("name", sidco.COMPRESSORS)
-def test_every_compressor_at_ratio_one_is_the_mean_over_8_devices(name, rng):
+# Each rule at ratio 1 is checked above (every compressor, granularity and layout); the
+# mean over the devices is the loop's aggregation: one compressor of each kind of rule.
+@pytest.mark.parametrize("name", one_of_each_kind(sidco.COMPRESSORS))
+def test_each_kind_of_rule_at_ratio_one_is_the_mean_over_8_devices(name, rng):
     # Multiples of 1/64 below 4: sums of 8 are exact, so the mean is NumPy's to the bit.
     options = {"communication": "sparse"} if name in WITH_INDICES else {}
     stream = gradient_stream(rng, 2)
@@ -286,9 +289,10 @@ def per_device(make, rng):
     return {k: np.stack([g[k] for g in grads]) for k in LEAVES}
 
 
-# The aggregation modes are shared code: "dense" (psum) once per kind of payload.
+# The aggregation modes are shared code: "dense" (psum) once per kind of payload. Each
+# rule's hostile input is checked locally above; on 8 devices, one of each kind of rule.
 MESH_CASES = (
-    [(n, "model", "sparse") for n in WITH_INDICES]
+    [(n, "model", "sparse") for n in one_of_each_kind(WITH_INDICES)]
     + [("sidco-e", "model", "dense"), ("dgc", "model", "dense")]
     + [("sidco-e", "model", "sparse_allreduce"), ("topk", "leaf", "sparse_allreduce")]
     + [("randomk", "model", "auto"), ("dense", "model", "auto")]
@@ -297,7 +301,7 @@ MESH_CASES = (
 
 
 @pytest.mark.parametrize(("name", "granularity", "communication"), MESH_CASES)
-def test_every_compressor_survives_hostile_input_on_8_devices(
+def test_each_kind_of_rule_survives_hostile_input_on_8_devices(
     name, granularity, communication, rng
 ):
     options = {"granularity": granularity} if name in SELECTING else {}

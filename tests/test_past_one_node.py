@@ -28,9 +28,9 @@ from sidco_jax._src import costs
 
 pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
-# Every compressor whose payload carries indices (the all-reduce routes them), but SIDCo-GP,
-# whose rule differs from SIDCo-E's only in the fit.
-ROUTED = [n for n in WITH_INDICES if n != "sidco-gp"]
+# Every compressor whose payload carries indices (the all-reduce routes them), but SIDCo-P
+# and SIDCo-GP, whose rules differ from SIDCo-E's only in the fit.
+ROUTED = [n for n in WITH_INDICES if n not in ("sidco-p", "sidco-gp")]
 NODE, LOCAL = "node", "local"
 
 
