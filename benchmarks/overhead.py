@@ -66,7 +66,7 @@ import sidco_jax as sidco
 from benchmarks import harness
 from benchmarks.harness import LABELS, compressor, measure, own_arguments, quartiles
 from examples.common.training import example  # the examples' models, for real parameter trees
-from sidco_jax._src import thresholds
+from sidco_jax._src.stats import thresholds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +223,7 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
     return calls, memory
 
 
-# The update's phases, as the loop names them with jax.named_scope (sidco_jax/_src/loop.py),
+# The update's phases, as the loop names them with jax.named_scope (its loop/sparsifier.py),
 # in the order they run; "threshold" is what a rule's select does outside its payload.
 PHASES = (
     "error_feedback",

@@ -5,9 +5,9 @@ functions are public so that a job can be planned before it runs (see
 ``benchmarks/scale.py`` and docs/distributed.md, "Past one node").
 """
 
-from sidco_jax._src import costs as _costs
-from sidco_jax._src.codecs import Codec
-from sidco_jax._src.costs import DEFAULT_LINK, MODES, NODE_LINK, ROUTE_SLACK, Link, Plan
+from sidco_jax._src.analysis import costs as _costs
+from sidco_jax._src.analysis.costs import DEFAULT_LINK, MODES, NODE_LINK, ROUTE_SLACK, Link, Plan
+from sidco_jax._src.ops.codecs import Codec
 
 # Checked where a person calls them (a bad argument raises, naming it and what is allowed);
 # the library calls the unchecked ones with options checked at construction.

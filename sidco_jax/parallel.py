@@ -8,7 +8,7 @@ builds it in place, :func:`place` puts parameters and batches on a mesh, and
 write their own (docs/distributed.md).
 """
 
-from sidco_jax._src.sharding import (
+from sidco_jax._src.parallel import (
     data_parallel_step,
     is_residual,
     per_device,

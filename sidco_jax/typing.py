@@ -14,9 +14,9 @@ from sidco_jax._src.base import (
     RuleInitFn,
     SelectFn,
 )
-from sidco_jax._src.codecs import IndexCodec, ValueCodec
-from sidco_jax._src.layout import Layout
-from sidco_jax._src.loop import LoopOptions
+from sidco_jax._src.loop.layout import Layout
+from sidco_jax._src.loop.sparsifier import LoopOptions
+from sidco_jax._src.ops.codecs import IndexCodec, ValueCodec
 
 __all__ = [
     "Adaptation",

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import residuals
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop import residuals
 
 
 def optimizer():
@@ -219,7 +219,7 @@ import threading
 import jax.numpy as jnp
 
 import sidco_jax as sidco
-from sidco_jax._src import checkpoint
+from sidco_jax._src.checkpoint import saving as checkpoint
 
 root = sys.argv[1]
 open(root + "/file", "w").close()
@@ -539,7 +539,7 @@ def test_a_residual_of_a_changed_model_leaf_is_refused(tmp_path, saved, restored
 
 
 def test_a_save_that_stops_before_its_manifest_leaves_no_checkpoint(tmp_path, monkeypatch):
-    from sidco_jax._src import manifest
+    from sidco_jax._src.checkpoint import manifest
 
     def crash(directory, tree):
         raise OSError("killed")

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 if TYPE_CHECKING:  # the payload's module checks its arguments with this one's validators
-    from sidco_jax._src.payload import Payload
+    from sidco_jax._src.ops.payload import Payload
 
 Adaptation = Literal["paper", "directional", "fill"]
 Estimator = Literal["exponential", "gpareto", "gamma"]
@@ -52,7 +52,7 @@ class Selection(NamedTuple):
       shared: whether the indices are the same on every device (then only the
         values need to travel).
       filled: whether the rule fills a starved payload itself (otherwise the
-        loop does: :func:`~sidco_jax._src.selection.fill_if_starved`).
+        loop does: :func:`~sidco_jax._src.loop.selection.fill_if_starved`).
     """
 
     payload: "Payload | None"

@@ -34,7 +34,6 @@ import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
-from sidco_jax._src import codecs
 from sidco_jax._src.base import (
     VALUE_BYTES,
     check_bool,
@@ -43,6 +42,7 @@ from sidco_jax._src.base import (
     check_number,
     static,
 )
+from sidco_jax._src.ops import codecs
 
 ROUTE_SLACK = 2  # slots per region owner, in units of an even share k / P
 

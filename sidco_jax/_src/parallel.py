@@ -22,10 +22,10 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sidco_jax._src import residuals
-from sidco_jax._src.accumulate import AccumulateState
 from sidco_jax._src.base import AxisName, CompressState
-from sidco_jax._src.outer import OuterState
+from sidco_jax._src.loop import residuals
+from sidco_jax._src.wrappers.accumulate import AccumulateState
+from sidco_jax._src.wrappers.outer import OuterState
 
 
 def _is_state(node) -> bool:

@@ -13,9 +13,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sidco_jax._src import control as control_lib
-from sidco_jax._src import passes, thresholds
-from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     ADAPTATIONS,
     SLOT_BYTES,
@@ -33,9 +30,13 @@ from sidco_jax._src.base import (
     cond_on_device,
     static,
 )
-from sidco_jax._src.loop import LoopOptions, build
-from sidco_jax._src.options import takes_loop_options
-from sidco_jax._src.selection import fill_if_starved
+from sidco_jax._src.loop.options import takes_loop_options
+from sidco_jax._src.loop.selection import fill_if_starved
+from sidco_jax._src.loop.sparsifier import LoopOptions, build
+from sidco_jax._src.ops import passes
+from sidco_jax._src.ops import payload as payload_lib
+from sidco_jax._src.rules import control as control_lib
+from sidco_jax._src.stats import thresholds
 
 STARTING_STAGES = (
     "is where an adaptation starts, read by init only, so an injected value would change "

@@ -33,9 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidco_jax._src import aggregate as aggregate_lib
-from sidco_jax._src import codecs, costs, feedback, hierarchy, residuals, selection, slices
-from sidco_jax._src import layout as layout_lib
+from sidco_jax._src.analysis import costs
 from sidco_jax._src.base import (
     COMMUNICATIONS,
     GRANULARITIES,
@@ -57,9 +55,13 @@ from sidco_jax._src.base import (
     next_count,
     static,
 )
-from sidco_jax._src.eager import compiled_when_eager
-from sidco_jax._src.layout import Layout
-from sidco_jax._src.warmup import warmed_up
+from sidco_jax._src.loop import aggregate as aggregate_lib
+from sidco_jax._src.loop import feedback, hierarchy, residuals, selection, slices
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop.eager import compiled_when_eager
+from sidco_jax._src.loop.layout import Layout
+from sidco_jax._src.loop.warmup import warmed_up
+from sidco_jax._src.ops import codecs
 
 
 class LoopOptions(TypedDict, total=False):

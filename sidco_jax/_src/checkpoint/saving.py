@@ -11,7 +11,7 @@ device sends its residual eventually and the update is the mean over devices,
 so the owed update is the mean of the residuals. Every new device starts from
 that mean (so the new mean equals the old), with a :class:`ResidualWarning`.
 
-Every checkpoint carries a manifest (:mod:`sidco_jax._src.manifest`): the
+Every checkpoint carries a manifest (:mod:`sidco_jax._src.checkpoint.manifest`): the
 shapes each array was saved with, per device for the residuals, and a checksum
 of every shard, so that :func:`restore` refuses a changed model or damaged
 data instead of reading them back as other numbers.
@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import manifest, residuals, storage
 from sidco_jax._src.base import CompressState
-from sidco_jax._src.sharding import is_residual
+from sidco_jax._src.checkpoint import manifest, storage
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop import residuals
+from sidco_jax._src.parallel import is_residual
 
 
 class ResidualWarning(UserWarning):

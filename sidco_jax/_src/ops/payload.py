@@ -41,7 +41,6 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from sidco_jax._src import passes
 from sidco_jax._src.base import (
     MAX_SIZE,
     check_capacity_factor,
@@ -52,6 +51,7 @@ from sidco_jax._src.base import (
     float_vectors,
     static,
 )
+from sidco_jax._src.ops import passes
 
 
 class Payload(NamedTuple):
