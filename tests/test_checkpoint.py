@@ -51,7 +51,7 @@ def targets(params, state, devices):
         shape = (devices * leaf.shape[0] // saved, *leaf.shape[1:]) if residual else leaf.shape
         return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
-    marks = (jax.tree.map(lambda _: False, params), sidco.parallel.is_residual(state))
+    marks = (jax.tree.map(lambda _: False, params), sidco.parallel.is_per_device(state))
     shapes = jax.tree.map(resize, abstract, marks)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),

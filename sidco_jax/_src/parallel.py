@@ -61,7 +61,7 @@ def _kinds(opt_state: optax.OptState) -> Any:
     return jax.tree.map(kind, opt_state, is_leaf=_is_state)
 
 
-def is_residual(opt_state: optax.OptState) -> Any:
+def is_per_device(opt_state: optax.OptState) -> Any:
     """A tree like ``opt_state`` with True at every per-device leaf.
 
     Those are the error-feedback residuals of every

@@ -33,7 +33,7 @@ from sidco_jax._src.base import CompressState
 from sidco_jax._src.checkpoint import manifest, storage
 from sidco_jax._src.loop import layout as layout_lib
 from sidco_jax._src.loop import residuals
-from sidco_jax._src.parallel import is_residual
+from sidco_jax._src.parallel import is_per_device
 
 
 class ResidualWarning(UserWarning):
@@ -219,7 +219,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         as_saved = _as_saved(target, tree, cuts)
         flat, treedef = jax.tree_util.tree_flatten_with_path(as_saved)
         abstract = [_abstract(leaf) for _, leaf in flat]
-        marks = jax.tree.leaves(is_residual(as_saved))
+        marks = jax.tree.leaves(is_per_device(as_saved))
         saved, entries = _by_name(tree), [described.get(manifest.key(k)) for k, _ in flat]
         for (keys, _), leaf, sliced, entry in zip(
             flat, abstract, jax.tree.leaves(_in_slices(as_saved)), entries, strict=True
