@@ -23,11 +23,10 @@ from sidco_jax._src.base import (
     GRANULARITIES,
     CompressMetrics,
     CompressState,
-    Rule,
-    Selection,
 )
 from sidco_jax._src.checkpoint.saving import restore, save
 from sidco_jax._src.loop.layout import LAYOUTS
+from sidco_jax._src.loop.rule import Rule, Selection
 from sidco_jax._src.loop.sparsifier import sparsifier
 from sidco_jax._src.ops.codecs import INDEX_CODECS, VALUE_CODECS
 from sidco_jax._src.ops.payload import Payload, capacity, densify, sparsify

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, Rule, Selection
+from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES
+from sidco_jax._src.loop.rule import Rule, Selection
 from sidco_jax._src.ops import payload as payload_lib
 
 

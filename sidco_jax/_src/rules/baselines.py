@@ -19,16 +19,14 @@ from jax.scipy import special
 from sidco_jax._src.base import (
     SLOT_BYTES,
     VALUE_BYTES,
-    Rule,
-    Selection,
     check_capacity_factor,
     check_number,
     check_ratio,
-    empty_init,
     static,
 )
 from sidco_jax._src.base import k_of as _k
 from sidco_jax._src.loop.options import takes_loop_options
+from sidco_jax._src.loop.rule import Rule, Selection, empty_init
 from sidco_jax._src.loop.selection import every_entry, everything
 from sidco_jax._src.loop.sparsifier import LoopOptions, build
 from sidco_jax._src.ops import codecs, passes
