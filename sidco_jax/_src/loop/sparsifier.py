@@ -400,6 +400,7 @@ def build(
         grads = [jnp.asarray(leaves[i]) for i in float_at]
         if not any(g.size for g in grads) and not complex_at:
             return updates, state._replace(count=next_count(state.count))
+        copies = hierarchy.devices(o.axis_name) * node.copies  # first: names an unbound axis
         form, parts = _form_and_parts(o, state.residual, updates, grads)
 
         with jax.named_scope("pack"):
@@ -426,7 +427,6 @@ def build(
             residual = state.residual
             if o.error_feedback:
                 residual = form.store(state.residual, parts, left, float_at)
-        copies = hierarchy.devices(o.axis_name) * node.copies
         last = _metrics(o.ratio, done, sum(x.size for x in fed.u) * copies)
         observed = rule.observe(state.rule, last)
         new_state = CompressState(residual, next_count(state.count), last, observed)
