@@ -284,7 +284,7 @@ def table(rows: list[dict], notes: list[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--trees",
@@ -306,25 +306,32 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/device.json"))
     parser.add_argument("--table", type=Path, default=None, help="markdown (default: JSON's .md)")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    table_path = args.table if args.table is not None else args.json.with_suffix(".md")
+    return parser
 
-    device = jax.devices()[0]
-    print(f"# {jax.default_backend()} ({device.device_kind}), jax {jax.__version__}", flush=True)
-    rows, errors, skipped, tree_rows = [], [], [], []
-    start = time.perf_counter()
+
+def _resource_error(error: Exception) -> str:
+    """The first line of a resource error's message; any other error is raised again."""
+    if not is_resource_error(error):
+        raise error
+    return str(error).strip().splitlines()[0][:500]
+
+
+def _trees(args, errors: list[dict]) -> list[dict]:
+    """The trees' rows; a tree the device has no room for goes to ``errors``."""
+    rows = []
     for name in args.trees:
         try:
-            run_tree(name, args.tree_ratio, args.repeats, args.seed, tree_rows)
+            run_tree(name, args.tree_ratio, args.repeats, args.seed, rows)
         except Exception as error:
-            if not is_resource_error(error):
-                raise
-            errors.append({"tree": name, "error": str(error).strip().splitlines()[0][:500]})
+            errors.append({"tree": name, "error": _resource_error(error)})
             gc.collect()
             jax.clear_caches()
-    previous = 0.0
+    return rows
+
+
+def _sizes(args, start: float, errors: list[dict]) -> tuple[list[dict], list[int]]:
+    """The flat vectors' rows, and the sizes skipped for the time budget."""
+    rows, skipped, previous = [], [], 0.0
     for log2_n in args.sizes:
         elapsed = time.perf_counter() - start
         if elapsed + previous > args.budget:
@@ -339,16 +346,28 @@ def main(argv=None) -> list[dict]:
         try:
             run_size(log2_n, args.ratios, args.repeats, args.seed, rows)
         except Exception as error:
-            if not is_resource_error(error):
-                raise
-            message = str(error).strip().splitlines()[0][:500]
+            message = _resource_error(error)
             done = [r["ratio"] for r in rows if r["log2_n"] == log2_n]
             errors.append({"log2_n": log2_n, "n": 2**log2_n, "ratios_done": done, "error": message})
             print(f"n = 2^{log2_n}: resource error, going on: {message}", flush=True)
-        if errors and errors[-1]["log2_n"] == log2_n:
+        if errors and errors[-1].get("log2_n") == log2_n:
             gc.collect()  # outside the handler: the traceback no longer holds the buffers
             jax.clear_caches()
         previous = time.perf_counter() - begin
+    return rows, skipped
+
+
+def main(argv=None) -> list[dict]:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    table_path = args.table if args.table is not None else args.json.with_suffix(".md")
+    device = jax.devices()[0]
+    print(f"# {jax.default_backend()} ({device.device_kind}), jax {jax.__version__}", flush=True)
+    errors, start = [], time.perf_counter()
+    tree_rows = _trees(args, errors)
+    rows, skipped = _sizes(args, start, errors)
     total = time.perf_counter() - start
 
     notes = [f"{e.get('tree') or 2 ** e['log2_n']}: {e['error']}" for e in errors]
@@ -361,7 +380,6 @@ def main(argv=None) -> list[dict]:
     text = tree_table(tree_rows) + "\n\n" + table(rows, notes)
     print()
     print(text)
-
     meta = harness.meta(
         "benchmarks.device",
         argv,
@@ -374,14 +392,8 @@ def main(argv=None) -> list[dict]:
         budget_s=args.budget,
         total_s=total,
     )
-    result = {
-        "meta": meta,
-        "tree_rows": tree_rows,
-        "rows": rows,
-        "errors": errors,
-        "skipped_sizes": skipped,
-    }
-    harness.write(args.json, result)
+    result = {"meta": meta, "tree_rows": tree_rows, "rows": rows, "errors": errors}
+    harness.write(args.json, {**result, "skipped_sizes": skipped})
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(text + "\n")
     print(f"\nwrote {args.json} and {table_path}")

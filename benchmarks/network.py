@@ -715,7 +715,7 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -799,26 +799,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", type=pathlib.Path, help="write every result here")
     parser.add_argument("--plots", type=pathlib.Path, help="write plots into this folder")
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
-        return 0
-    for rate in [*args.bandwidths, *args.target_bandwidth]:
-        bits_per_second(rate)  # a bad rate fails here, before anything is created
-    from benchmarks.harness import LABELS, parse_label
+    return parser
 
-    for label in {*args.compressors, *args.hierarchical, *args.target_compressors}:
-        label, _, every = label.partition(OUTER)
-        if every and not (every.isdigit() and int(every) >= 1):
-            parser.error(f"{label}{OUTER}{every}: H must be a whole number of steps, at least 1")
-        if parse_label(label)[0] not in LABELS:  # and a bad name here
-            parser.error(f"unknown compressor {label!r}; allowed: {', '.join(LABELS)}")
-    reason = unavailable()
-    if reason:
-        print(f"network benchmark skipped: {reason}")
-        return 0
-    if args.hierarchical and args.local_devices < 2:
-        parser.error("--hierarchical needs --local-devices 2 or more")
+
+def _jobs(args) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every job at every bandwidth over the link: rows, traces and each job's run order."""
     runs = [("dense", args.ratios[0])] if "dense" in args.compressors else []
     runs += [(c, r) for r in args.ratios for c in args.compressors if c != "dense"]
     runs += [(c + HIERARCHICAL, r) for r in args.ratios for c in args.hierarchical]
@@ -848,12 +833,16 @@ def main(argv=None) -> int:
                 rows += more_rows
                 traces += more_traces
                 orders.append(order)
+    return rows, traces, orders
+
+
+def _report(args, rows: list[dict], traces: list[dict], orders: list[dict]) -> None:
+    """Speed-ups, crossovers and time to loss: printed, and written where asked."""
     speedups(rows)
     fits = crossovers(rows)
     targets = time_to_target(traces)
     print(tables(rows, fits, targets))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "host": host.describe(),
@@ -866,6 +855,31 @@ def main(argv=None) -> int:
         harness.write(args.json, record)
     if args.plots:
         plots(rows, traces, args.plots)
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    for rate in [*args.bandwidths, *args.target_bandwidth]:
+        bits_per_second(rate)  # a bad rate fails here, before anything is created
+    from benchmarks.harness import LABELS, parse_label
+
+    for label in {*args.compressors, *args.hierarchical, *args.target_compressors}:
+        label, _, every = label.partition(OUTER)
+        if every and not (every.isdigit() and int(every) >= 1):
+            parser.error(f"{label}{OUTER}{every}: H must be a whole number of steps, at least 1")
+        if parse_label(label)[0] not in LABELS:  # and a bad name here
+            parser.error(f"unknown compressor {label!r}; allowed: {', '.join(LABELS)}")
+    reason = unavailable()
+    if reason:
+        print(f"network benchmark skipped: {reason}")
+        return 0
+    if args.hierarchical and args.local_devices < 2:
+        parser.error("--hierarchical needs --local-devices 2 or more")
+    _report(args, *_jobs(args))
     return 0
 
 

@@ -66,7 +66,7 @@ import sidco_jax as sidco
 from benchmarks import harness
 from benchmarks.harness import LABELS, compressor, measure, own_arguments, quartiles
 from examples.common.training import example  # the examples' models, for real parameter trees
-from sidco_jax._src import thresholds
+from sidco_jax._src.stats import thresholds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +223,7 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
     return calls, memory
 
 
-# The update's phases, as the loop names them with jax.named_scope (sidco_jax/_src/loop.py),
+# The update's phases, as the loop names them with jax.named_scope (its loop/sparsifier.py),
 # in the order they run; "threshold" is what a rule's select does outside its payload.
 PHASES = (
     "error_feedback",
@@ -596,7 +596,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
@@ -638,67 +638,70 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--json", type=Path, help="where to write the results (default: benchmarks/results/)"
     )
+    return parser
+
+
+def _rows(args, ratio: float):
+    """The rows of ``args.mode`` at ``ratio``, one at a time."""
+    if args.mode == "kernels":
+        rng = np.random.default_rng(0)
+        for log2_n in args.sizes:
+            x = jnp.asarray(rng.standard_t(3, size=2**log2_n).astype(np.float32))
+            fns = kernels(x.size, ratio, args.stages, args.capacity_factor)
+            ms = ratio_columns(measure(fns, (x,), args.repeats), "top_k", "one pass")
+            yield {"mode": "kernels", "source": f"2^{log2_n}", "ratio": ratio, "ms": ms}
+        return
+    for source in args.source:
+        row = {"mode": args.mode, "source": source, "ratio": ratio}
+        if args.mode == "step":
+            whole = [c for c in args.compressors if c.startswith("sidco")] if args.whole else []
+            calls, call_args, stages = steps(source, ratio, args.compressors, args.settle, whole)
+            ms = ratio_columns(measure(calls, call_args, args.repeats), "dense", None)
+            print(f"stage counts after {args.settle} steps: {stages}", flush=True)
+            yield {**row, "settle": args.settle, "ms": ms, "stages": stages}
+            continue
+        grads = gradient(source)
+        if args.mode == "axis":
+            names = [c for c in args.compressors if c != "dense"] + ["dense"]
+            calls, call_args = over_axis(grads, ratio, names)
+            ms = ratio_columns(measure(calls, call_args, args.repeats), "topk shard_map", None)
+            yield {**row, "ms": ms}
+        elif args.mode == "phases":
+            yield {**row, "ms": phases(grads, ratio, args.compressors, args.repeats)}
+        else:
+            yield from _update_rows(grads, ratio, source, args.repeats)
+
+
+def _update_rows(grads, ratio: float, source: str, repeats: int):
+    """The ``updates`` mode's rows: the tree, and a real model's tree as one flat leaf."""
+    leaves = len(jax.tree.leaves(grads))
+    variants = {"tree": grads}
+    if leaves > 1 and not source.startswith("flat:"):
+        variants["one flat leaf"] = flat_copy(grads)
+    for label, g in variants.items():
+        calls, memory = updates(g, ratio)
+        yield {
+            "mode": "updates",
+            "source": f"{source} ({label})" if len(variants) > 1 else source,
+            "ratio": ratio,
+            "leaves": leaves,
+            "ms": ratio_columns(measure(calls, (g,), repeats), "topk", "one pass"),
+            "temp": {k: v / (4 * size(grads)) for k, v in memory.items()},
+        }
+
+
+def main(argv=None) -> list[dict]:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.settle < 0:
         parser.error("--settle must be at least 0")
-
     rows = []
     for ratio in args.ratios:
-        if args.mode == "kernels":
-            rng = np.random.default_rng(0)
-            for log2_n in args.sizes:
-                x = jnp.asarray(rng.standard_t(3, size=2**log2_n).astype(np.float32))
-                fns = kernels(x.size, ratio, args.stages, args.capacity_factor)
-                ms = ratio_columns(measure(fns, (x,), args.repeats), "top_k", "one pass")
-                rows.append({"mode": "kernels", "source": f"2^{log2_n}", "ratio": ratio, "ms": ms})
-                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
-            continue
-        for source in args.source:
-            if args.mode == "step":
-                whole = [c for c in args.compressors if c.startswith("sidco")] if args.whole else []
-                calls, call_args, stages = steps(
-                    source, ratio, args.compressors, args.settle, whole
-                )
-                ms = measure(calls, call_args, args.repeats)
-                row = {"mode": "step", "source": source, "ratio": ratio, "settle": args.settle}
-                rows.append({**row, "ms": ratio_columns(ms, "dense", None), "stages": stages})
-                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
-                print(f"stage counts after {args.settle} steps: {stages}", flush=True)
-                continue
-            grads = gradient(source)
-            nbytes = 4 * size(grads)
-            if args.mode == "axis":
-                names = [c for c in args.compressors if c != "dense"] + ["dense"]
-                calls, call_args = over_axis(grads, ratio, names)
-                ms = ratio_columns(measure(calls, call_args, args.repeats), "topk shard_map", None)
-                rows.append({"mode": "axis", "source": source, "ratio": ratio, "ms": ms})
-                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
-                continue
-            shapes = [tuple(np.shape(g)) for g in jax.tree.leaves(grads)]
-            if args.mode == "phases":
-                ms = phases(grads, ratio, args.compressors, args.repeats)
-                rows.append({"mode": "phases", "source": source, "ratio": ratio, "ms": ms})
-                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
-                continue
-            variants = {"tree": grads}
-            if len(shapes) > 1 and not source.startswith("flat:"):
-                variants["one flat leaf"] = flat_copy(grads)
-            for label, g in variants.items():
-                calls, memory = updates(g, ratio)
-                ms = ratio_columns(measure(calls, (g,), args.repeats), "topk", "one pass")
-                rows.append(
-                    {
-                        "mode": "updates",
-                        "source": f"{source} ({label})" if len(variants) > 1 else source,
-                        "ratio": ratio,
-                        "leaves": len(shapes),
-                        "ms": ms,
-                        "temp": {k: v / nbytes for k, v in memory.items()},
-                    }
-                )
-                print(table(rows[-1:]).split("\n", 2)[2], flush=True)
+        for row in _rows(args, ratio):
+            rows.append(row)
+            print(table([row]).split("\n", 2)[2], flush=True)
     print()
     print(table(rows))
     device = str(jax.devices()[0].device_kind)

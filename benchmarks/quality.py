@@ -45,7 +45,7 @@ import numpy as np
 import sidco_jax as sidco
 from benchmarks import harness
 from sidco_jax import stats
-from sidco_jax._src import thresholds
+from sidco_jax._src.stats import thresholds
 
 
 def laws(n: int, seed: int) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ Everything under ``sidco_jax._src`` is private.
 """
 
 from sidco_jax import checkpoint, costs, hlo, parallel, stats, typing
-from sidco_jax._src.accumulate import AccumulateState, accumulate
+from sidco_jax._src.analysis.metrics import metrics
 from sidco_jax._src.base import (
     ADAPTATIONS,
     COMMUNICATIONS,
@@ -23,21 +23,20 @@ from sidco_jax._src.base import (
     GRANULARITIES,
     CompressMetrics,
     CompressState,
-    Rule,
-    Selection,
 )
-from sidco_jax._src.baselines import approxk, dense, dgc, gaussiank, randomk, redsync, topk
-from sidco_jax._src.checkpoint import restore, save
-from sidco_jax._src.codecs import INDEX_CODECS, VALUE_CODECS
-from sidco_jax._src.control import AdaptationState
-from sidco_jax._src.layout import LAYOUTS
-from sidco_jax._src.loop import sparsifier
-from sidco_jax._src.metrics import metrics
-from sidco_jax._src.outer import OuterState, diloco
-from sidco_jax._src.payload import Payload, capacity, densify, sparsify
-from sidco_jax._src.registry import COMPRESSORS, Traits, compressor, traits
-from sidco_jax._src.sidco import SidcoState, compress
-from sidco_jax._src.thresholds import threshold
+from sidco_jax._src.checkpoint.saving import restore, save
+from sidco_jax._src.loop.layout import LAYOUTS
+from sidco_jax._src.loop.rule import Rule, Selection
+from sidco_jax._src.loop.sparsifier import sparsifier
+from sidco_jax._src.ops.codecs import INDEX_CODECS, VALUE_CODECS
+from sidco_jax._src.ops.payload import Payload, capacity, densify, sparsify
+from sidco_jax._src.rules.baselines import approxk, dense, dgc, gaussiank, randomk, redsync, topk
+from sidco_jax._src.rules.control import AdaptationState
+from sidco_jax._src.rules.registry import COMPRESSORS, Traits, compressor, traits
+from sidco_jax._src.rules.sidco import SidcoState, compress
+from sidco_jax._src.stats.thresholds import threshold
+from sidco_jax._src.wrappers.accumulate import AccumulateState, accumulate
+from sidco_jax._src.wrappers.outer import OuterState, diloco
 
 __version__ = "0.1.0"
 

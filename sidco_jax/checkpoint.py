@@ -6,6 +6,6 @@ residual or the ratio changed (docs/distributed.md). The two functions are
 also ``sidco_jax.save`` and ``sidco_jax.restore``.
 """
 
-from sidco_jax._src.checkpoint import RatioWarning, ResidualWarning, restore, save
+from sidco_jax._src.checkpoint.saving import RatioWarning, ResidualWarning, restore, save
 
 __all__ = ["RatioWarning", "ResidualWarning", "restore", "save"]

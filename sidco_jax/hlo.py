@@ -7,6 +7,6 @@ bytes, :func:`launches` counts the ops that each launch a kernel on a GPU, and
 a CPU, GPU or TPU program.
 """
 
-from sidco_jax._src.hlo import Collective, Kernels, collectives, kernels, launches
+from sidco_jax._src.analysis.hlo import Collective, Kernels, collectives, kernels, launches
 
 __all__ = ["Collective", "Kernels", "collectives", "kernels", "launches"]

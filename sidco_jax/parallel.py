@@ -8,9 +8,11 @@ builds it in place, :func:`place` puts parameters and batches on a mesh, and
 write their own (docs/distributed.md).
 """
 
-from sidco_jax._src.sharding import (
+import warnings
+
+from sidco_jax._src.parallel import (
     data_parallel_step,
-    is_residual,
+    is_per_device,
     per_device,
     place,
     shard_init,
@@ -18,9 +20,20 @@ from sidco_jax._src.sharding import (
     state_specs,
 )
 
+
+def is_residual(opt_state):
+    """Deprecated: :func:`is_per_device`, its old name (accumulators are per device too)."""
+    warnings.warn(
+        "sidco.parallel.is_residual is renamed sidco.parallel.is_per_device",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return is_per_device(opt_state)
+
+
 __all__ = [
     "data_parallel_step",
-    "is_residual",
+    "is_per_device",
     "per_device",
     "place",
     "shard_init",

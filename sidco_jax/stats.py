@@ -9,7 +9,7 @@ produces (``*_from_sums``) and an inverse survival function (``*_isf``);
 functions, which ``jax.scipy.special`` lacks.
 """
 
-from sidco_jax._src.fits import (
+from sidco_jax._src.stats.fits import (
     ExponentialFit,
     GammaFit,
     GParetoFit,
@@ -23,8 +23,8 @@ from sidco_jax._src.fits import (
     gpareto_from_sums,
     gpareto_isf,
 )
-from sidco_jax._src.special import gammainccinv, gammaincinv
-from sidco_jax._src.thresholds import max_stages
+from sidco_jax._src.stats.special import gammainccinv, gammaincinv
+from sidco_jax._src.stats.thresholds import max_stages
 
 __all__ = [
     "ExponentialFit",

@@ -16,8 +16,9 @@ import pytest
 from harness import quick_first, require_libtpu
 
 import sidco_jax as sidco
-from sidco_jax._src import control, passes
-from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.ops import passes
+from sidco_jax._src.ops import payload as payload_lib
+from sidco_jax._src.rules import control
 
 
 def _gradients(rng, steps, shapes, kind):

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import residuals
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop import residuals
 
 
 def optimizer():
@@ -51,7 +51,7 @@ def targets(params, state, devices):
         shape = (devices * leaf.shape[0] // saved, *leaf.shape[1:]) if residual else leaf.shape
         return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
-    marks = (jax.tree.map(lambda _: False, params), sidco.parallel.is_residual(state))
+    marks = (jax.tree.map(lambda _: False, params), sidco.parallel.is_per_device(state))
     shapes = jax.tree.map(resize, abstract, marks)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -219,7 +219,7 @@ import threading
 import jax.numpy as jnp
 
 import sidco_jax as sidco
-from sidco_jax._src import checkpoint
+from sidco_jax._src.checkpoint import saving as checkpoint
 
 root = sys.argv[1]
 open(root + "/file", "w").close()
@@ -539,7 +539,7 @@ def test_a_residual_of_a_changed_model_leaf_is_refused(tmp_path, saved, restored
 
 
 def test_a_save_that_stops_before_its_manifest_leaves_no_checkpoint(tmp_path, monkeypatch):
-    from sidco_jax._src import manifest
+    from sidco_jax._src.checkpoint import manifest
 
     def crash(directory, tree):
         raise OSError("killed")

@@ -30,7 +30,7 @@ from harness import (
 )
 
 import sidco_jax as sidco
-from sidco_jax._src import codecs
+from sidco_jax._src.ops import codecs
 
 PAIRS = [(v, i) for v in sidco.VALUE_CODECS for i in ("int32", "chunked")]
 # Every compressor that sends its own indices.

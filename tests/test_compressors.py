@@ -157,7 +157,7 @@ def test_approxk_is_topk_bit_for_bit_off_tpu(rng, ratio, granularity):
 
 
 def test_approxk_payload_is_in_index_order_with_its_recall_target(rng):
-    from sidco_jax._src import payload as payload_lib
+    from sidco_jax._src.ops import payload as payload_lib
 
     vectors = [jnp.asarray(rng.normal(size=n), jnp.float32) for n in (300, 1, 57)]
     approx = functools.partial(jax.lax.approx_max_k, recall_target=0.5)

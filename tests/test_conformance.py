@@ -38,9 +38,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import residuals
-from sidco_jax._src.residuals import Buckets
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop import residuals
+from sidco_jax._src.loop.residuals import Buckets
 
 pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-from sidco_jax._src import control
+from sidco_jax._src.rules import control
 
 
 def run(adaptation, response, windows, stages=3, max_stages=6, period=5):
@@ -60,8 +60,8 @@ def test_stage_rules_average_what_was_sent_not_what_was_selected():
     # docs/optax.md: the payload caps what is sent at capacity_factor x target,
     # so with the default factor of 1 a threshold that over-selects reads as on
     # target and the count only rises; the reference code averages the selection.
-    from sidco_jax._src import sidco as sidco_lib
-    from sidco_jax._src.loop import step_metrics
+    from sidco_jax._src.loop.sparsifier import step_metrics
+    from sidco_jax._src.rules import sidco as sidco_lib
 
     n, ratio, capacity = 10_000, 0.01, 100
     for factor, over_selected_moves_to in ((1.0, 3), (2.0, 2)):

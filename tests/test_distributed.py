@@ -191,7 +191,7 @@ def test_one_nonfinite_device_stops_every_device(rng):
 
 
 def test_auto_communication_moves_fewer_bytes():
-    from sidco_jax._src import aggregate
+    from sidco_jax._src.loop import aggregate
 
     # Two devices: 8 bytes a slot from one peer against a ring's 4 bytes an entry.
     assert aggregate.resolve("auto", 10**7, 4 * 10**6, 2) == "sparse"  # 32 MB < 40 MB

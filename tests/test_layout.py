@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import residuals
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop import residuals
 
 # Every kind of leaf the layouts treat apart: one large enough to stay alone in the
 # tree layout, small float32 leaves packed together, bf16 (cast into a float32

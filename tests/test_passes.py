@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidco_jax._src import passes
+from sidco_jax._src.ops import passes
 
 
 def oracle_words(x, threshold, inclusive, multiple):

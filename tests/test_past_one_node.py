@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sidco_jax as sidco
-from sidco_jax._src import costs
+from sidco_jax._src.analysis import costs
 
 pytestmark = pytest.mark.slow  # multi-device or benchmark runs: -m 'not slow' leaves them out
 
@@ -204,7 +204,7 @@ def test_a_sparse_allreduce_over_more_devices_than_entries_is_refused():
 
 def test_auto_takes_the_cheapest_mode_of_the_model():
     slow, fast = sidco.costs.Link(5e-6, 1.25e8), sidco.costs.Link(5e-6, 50e9)
-    from sidco_jax._src import aggregate
+    from sidco_jax._src.loop import aggregate
 
     # Few devices: gathering k slots from one other device beats routing 1.5 k.
     assert aggregate.resolve("auto", 2**20, 1049, 2, slow) == "sparse"

@@ -128,7 +128,7 @@ def test_top_by_count_is_lax_top_k_without_a_sort(rng, kind):
     # concatenation (ties to the lower index), in index order, and the same k-th magnitude.
     from jax import lax
 
-    from sidco_jax._src.payload import top_by_count
+    from sidco_jax._src.ops.payload import top_by_count
 
     make = {
         "student_t": lambda s: rng.standard_t(3, s),
@@ -159,8 +159,8 @@ def test_payload_search_is_a_loop_on_cpu_and_unrolled_elsewhere():
 def test_strongest_keeps_the_largest_of_a_wide_payload(rng, kind):
     # adaptation="fill" gathers up to 4x the capacity, then keeps the largest, in index
     # order: counted on CPU, lax.top_k elsewhere; both the same entries as a NumPy sort.
-    from sidco_jax._src import passes
-    from sidco_jax._src.payload import strongest
+    from sidco_jax._src.ops import passes
+    from sidco_jax._src.ops.payload import strongest
 
     n, cap = 5000, 50
     width = 4 * cap

@@ -37,7 +37,7 @@ LIMIT = 60  # seconds a run may take
 # written the arrays into step_<t>.orbax-checkpoint-tmp, and the manifest comes next.
 DRIVER = """
 import os, signal, sys
-from sidco_jax._src import manifest
+from sidco_jax._src.checkpoint import manifest
 from examples.cnn import main
 
 write, doomed = manifest.write, os.environ.get("KILL_IN_SAVE")

@@ -10,7 +10,7 @@ from harness import quick_first
 from scipy import stats
 
 import sidco_jax as sidco
-from sidco_jax._src import thresholds
+from sidco_jax._src.stats import thresholds
 
 
 def achieved(x, eta, ratio):

@@ -19,7 +19,7 @@ from harness import (
 )
 
 import sidco_jax as sidco
-from sidco_jax._src.control import FILL_WIDE
+from sidco_jax._src.rules.control import FILL_WIDE
 
 
 def tree(rng):

@@ -74,7 +74,7 @@ def first_residual(opt_state) -> np.ndarray | None:
     The residual is a tree like the parameters; its leaves (device 0's rows of
     each) are concatenated in ``jax.tree.leaves`` order, like :func:`flat_gradient`.
     """
-    marked = jax.tree.leaves(sidco.parallel.is_residual(opt_state))
+    marked = jax.tree.leaves(sidco.parallel.is_per_device(opt_state))
     leaves = [x for x, m in zip(jax.tree.leaves(opt_state), marked, strict=True) if m]
     if not leaves:
         return None

@@ -1,27 +1,18 @@
 """Types and argument checks shared by every stage of the pipeline.
 
-Nothing here computes: the pipeline's modules (``thresholds``, ``payload``,
-``aggregate``, ``loop``, ``sidco``, ``baselines``) import their option types,
-their validators and the states they exchange from this one place, so no stage
-imports a later one just to check an argument.
-
-A compressor is a :class:`Rule` (what to send) run inside the loop of
-:func:`sidco_jax.sparsifier` (error feedback, aggregation, the non-finite gate,
-metrics). A rule owns its state, as an optax transformation does:
-``optax.EmptyState()`` when it has none.
+Nothing here computes: every family of ``sidco_jax/_src`` imports its option
+types, its validators and the states it exchanges from this one place, so no
+stage imports a later one just to check an argument. What a rule is to the loop
+is in ``loop/rule.py``.
 """
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-if TYPE_CHECKING:  # the payload's module checks its arguments with this one's validators
-    from sidco_jax._src.payload import Payload
 
 Adaptation = Literal["paper", "directional", "fill"]
 Estimator = Literal["exponential", "gpareto", "gamma"]
@@ -39,27 +30,6 @@ MAX_SIZE = INT32_MAX  # int32 indices, with ``size`` itself as the padding index
 VALUE_BYTES = 4  # float32 on the wire
 INDEX_BYTES = 4  # int32
 SLOT_BYTES = VALUE_BYTES + INDEX_BYTES
-
-
-class Selection(NamedTuple):
-    """What a rule chose to send from one group of float32 vectors.
-
-    Attributes:
-      payload: the entries to send, indexed over the concatenation of the
-        group's vectors; None sends every entry (no compression).
-      threshold: the magnitude threshold used (0 where the rule has none).
-      bytes: static size of the message in bytes.
-      shared: whether the indices are the same on every device (then only the
-        values need to travel).
-      filled: whether the rule fills a starved payload itself (otherwise the
-        loop does: :func:`~sidco_jax._src.selection.fill_if_starved`).
-    """
-
-    payload: "Payload | None"
-    threshold: jax.Array
-    bytes: int
-    shared: bool = False
-    filled: bool = False
 
 
 class CompressMetrics(NamedTuple):
@@ -109,51 +79,6 @@ class CompressState(NamedTuple):
     count: jax.Array
     last: CompressMetrics
     rule: Any
-
-
-class RuleInitFn(Protocol):
-    """Initial state of a rule for the given parameters."""
-
-    def __call__(self, params: optax.Params) -> Any: ...
-
-
-class SelectFn(Protocol):
-    """Chooses what to send from ``vectors``, 1-D float32 arrays.
-
-    ``abs_sums`` holds ``sum(|v|)`` of each vector (already computed by the
-    loop, which needs it to detect non-finite steps); ``key`` is this step's
-    random key, the same on every device.
-    """
-
-    def __call__(
-        self, vectors: Sequence[jax.Array], abs_sums: jax.Array, state: Any, key: jax.Array
-    ) -> Selection: ...
-
-
-class ObserveFn(Protocol):
-    """The rule's next state, from its state and the step's agreed figures."""
-
-    def __call__(self, state: Any, figures: CompressMetrics) -> Any: ...
-
-
-def no_observation(state: Any, figures: CompressMetrics) -> Any:
-    """An :class:`ObserveFn` for rules whose state does not follow the figures."""
-    del figures
-    return state
-
-
-class Rule(NamedTuple):
-    """A selection rule: what :func:`sidco_jax.sparsifier` runs on each step.
-
-    Attributes:
-      init: ``init(params) -> state``.
-      select: ``select(vectors, abs_sums, state, key) -> Selection``.
-      observe: ``observe(state, figures) -> state``, after every step.
-    """
-
-    init: RuleInitFn
-    select: SelectFn
-    observe: ObserveFn = no_observation
 
 
 def next_count(count: jax.Array) -> jax.Array:
@@ -215,12 +140,6 @@ def _leaf_platform(leaf) -> str | None:
         device = mesh.abstract_device
         return None if device is None else device.platform
     return next(iter(sharding.device_set)).platform
-
-
-def empty_init(params: optax.Params) -> optax.EmptyState:
-    """A :class:`RuleInitFn` for rules without state."""
-    del params
-    return optax.EmptyState()
 
 
 def k_of(n: int, ratio: float) -> int:

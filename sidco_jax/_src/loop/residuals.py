@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src import layout as layout_lib
 from sidco_jax._src.base import is_float
-from sidco_jax._src.slices import length
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop.slices import length
 
 
 def names(keys) -> tuple[str, ...]:

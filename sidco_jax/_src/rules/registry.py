@@ -16,10 +16,10 @@ from typing import Any, NamedTuple, Unpack
 
 import optax
 
-from sidco_jax._src import baselines
 from sidco_jax._src.base import check_choice, check_ratio, static
-from sidco_jax._src.loop import LoopOptions
-from sidco_jax._src.sidco import compress
+from sidco_jax._src.loop.sparsifier import LoopOptions
+from sidco_jax._src.rules import baselines
+from sidco_jax._src.rules.sidco import compress
 
 Factory = Callable[..., optax.GradientTransformationExtraArgs]
 

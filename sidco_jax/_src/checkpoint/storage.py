@@ -1,7 +1,7 @@
 """Orbax, as :func:`sidco_jax.save` and :func:`sidco_jax.restore` use it.
 
 Orbax's standard handler, extended to write the manifest of
-:mod:`sidco_jax._src.manifest` into the checkpoint before orbax commits it; the
+:mod:`sidco_jax._src.checkpoint.manifest` into the checkpoint before orbax commits it; the
 parts a checkpoint must hold, checked before orbax reads anything; and
 tensorstore's errors for damaged data, said as such, with what orbax leaves
 behind when a read fails cleared away.
@@ -17,7 +17,7 @@ import sys
 import time
 import types
 
-from sidco_jax._src import manifest
+from sidco_jax._src.checkpoint import manifest
 
 # Orbax writes into ``<path>`` + this suffix and renames it when the save completes.
 _UNFINISHED = ".orbax-checkpoint-tmp"

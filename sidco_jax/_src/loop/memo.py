@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import optax
 
-from sidco_jax._src import eager
 from sidco_jax._src.base import StaticOptionError
+from sidco_jax._src.loop import eager
 
 BUILT = 64  # transformations kept per factory for calls with equal arguments
 

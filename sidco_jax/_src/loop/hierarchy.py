@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from jax import lax
 
-from sidco_jax._src import slices
 from sidco_jax._src.base import AxisName, axis_names
+from sidco_jax._src.loop import slices
 
 
 def devices(axis_name, name: str = "axis_name") -> int:

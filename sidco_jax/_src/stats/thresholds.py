@@ -5,7 +5,7 @@ fraction ``first_ratio`` exceeds; each later stage fits the excesses over the
 previous threshold (peak over threshold: a generalized Pareto law, or the
 exponential for SIDCo-E) and moves the threshold further into the tail. Every
 statistic is a masked reduction over a fixed set of entries (all of them, or a
-fixed sample; :mod:`sidco_jax._src.passes`), so shapes never depend on the
+fixed sample; :mod:`sidco_jax._src.ops.passes`), so shapes never depend on the
 data, and the stage count may be a traced integer.
 
 Three choices differ from the reference code, all on purpose:
@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from sidco_jax._src import fits, passes
 from sidco_jax._src.base import (
     Estimator,
     check_estimator,
@@ -45,6 +44,8 @@ from sidco_jax._src.base import (
     cond_on_device,
     float_vectors,
 )
+from sidco_jax._src.ops import passes
+from sidco_jax._src.stats import fits
 
 
 def max_stages(ratio: float) -> int:

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from sidco_jax._src import memo
 from sidco_jax._src.base import check_integer, check_transformation
-from sidco_jax._src.eager import compiled_when_eager
+from sidco_jax._src.loop import memo
+from sidco_jax._src.loop.eager import compiled_when_eager
 
 
 class AccumulateState(NamedTuple):

@@ -22,9 +22,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from sidco_jax._src import residuals
 from sidco_jax._src.base import CompressState
-from sidco_jax._src.residuals import names as key
+from sidco_jax._src.loop import residuals
+from sidco_jax._src.loop.residuals import names as key
 
 DIRECTORY = "sidco_manifest"
 FORMAT = 1

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sidco_jax._src import passes
+from sidco_jax._src.ops import passes
 
 # The fill correction. Within a step (:func:`bracket`): BRACKET thresholds from
 # eta / BRACKET_SPAN to eta x BRACKET_SPAN, then as many between the chosen one

@@ -41,7 +41,6 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from sidco_jax._src import passes
 from sidco_jax._src.base import (
     MAX_SIZE,
     check_capacity_factor,
@@ -52,6 +51,7 @@ from sidco_jax._src.base import (
     float_vectors,
     static,
 )
+from sidco_jax._src.ops import passes
 
 
 class Payload(NamedTuple):
@@ -365,16 +365,9 @@ def _by_blocks(
 
     counts, equal = count(threshold)
     if fill is not None:
-        abs_sum, k = fill
-
-        def top():
-            t = kth_magnitude(vectors, k).astype(threshold.dtype)
-            counts, equal = count(t)
-            return t, k - jnp.sum(counts), counts, equal
-
-        starved = (jnp.sum(counts) == 0) & (abs_sum > 0)
-        keep = lambda: (threshold, jnp.zeros((), jnp.int32), counts, equal)  # noqa: E731
-        threshold, ties, counts, equal = cond_on_device(starved, top, keep)
+        threshold, ties, counts, equal = _top_where_starved(
+            vectors, threshold, counts, equal, count, *fill
+        )
     firsts = np.cumsum([0, *(r.shape[0] for r in rows)])
     blocks = int(firsts[-1])
     supers = -(-blocks // _SUPER)
@@ -394,15 +387,8 @@ def _by_blocks(
     top, rank = _rank_in(upto[None, :], rank)
     inner, rank = _rank_in(within[jnp.minimum(top, supers - 1)], rank)
     block = jnp.minimum(top * _SUPER + inner, blocks - 1)
-    # Each slot's block row, and the index of the row's first entry over the concatenation.
-    values, base, start = None, None, 0
-    for row, first, last, v in zip(rows, firsts[:-1], firsts[1:], vectors, strict=True):
-        local = jnp.clip(block - int(first), 0, int(last - first) - 1)
-        got, at = row[local], start + local * _BLOCK
-        inside = block >= first
-        values = got if values is None else jnp.where(inside[:, None], got, values)
-        base = at if base is None else jnp.where(inside, at, base)
-        start += v.shape[0]
+    values, base = _rows_of(rows, firsts, vectors, block)
+    start = sum(v.shape[0] for v in vectors)
     tri = jnp.triu(jnp.ones((_BLOCK, _BLOCK), jnp.bfloat16))
 
     def reach(mask):  # inclusive prefix counts along each row: exact for 0/1 in bfloat16
@@ -418,10 +404,37 @@ def _by_blocks(
     value = jnp.sum(jnp.where(hit, values, jnp.zeros((), values.dtype)), axis=1)
     column = jnp.sum(jnp.where(hit, jnp.arange(_BLOCK, dtype=jnp.int32), 0), axis=1)
     filled = jnp.arange(capacity) < selected
-    indices = jnp.where(filled, base + column, start)  # start: now the entry count n
+    indices = jnp.where(filled, base + column, start)  # start: the entry count n
     values = jnp.where(filled, value, jnp.zeros((), dtype)).astype(dtype)
     payload = Payload(values, indices.astype(jnp.int32), jnp.minimum(selected, capacity), selected)
     return payload, threshold
+
+
+def _top_where_starved(vectors, threshold, counts, equal, count, abs_sum, k: int):
+    """``threshold`` and its blocks' counts, or where nothing passes it though ``abs_sum > 0``,
+    the ``k``-th magnitude's, with the ties it leaves to fill (:func:`select_or_top`)."""
+
+    def top():
+        t = kth_magnitude(vectors, k).astype(threshold.dtype)
+        counts, equal = count(t)
+        return t, k - jnp.sum(counts), counts, equal
+
+    starved = (jnp.sum(counts) == 0) & (abs_sum > 0)
+    keep = lambda: (threshold, jnp.zeros((), jnp.int32), counts, equal)  # noqa: E731
+    return cond_on_device(starved, top, keep)
+
+
+def _rows_of(rows, firsts, vectors, block: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each slot's block row, and the index of the row's first entry over the concatenation."""
+    values, base, start = None, None, 0
+    for row, first, last, v in zip(rows, firsts[:-1], firsts[1:], vectors, strict=True):
+        local = jnp.clip(block - int(first), 0, int(last - first) - 1)
+        got, at = row[local], start + local * _BLOCK
+        inside = block >= first
+        values = got if values is None else jnp.where(inside[:, None], got, values)
+        base = at if base is None else jnp.where(inside, at, base)
+        start += v.shape[0]
+    return values, base
 
 
 def _by_words(vectors, threshold, capacity: int, inclusive: bool, dtype) -> Payload:

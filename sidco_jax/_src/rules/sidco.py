@@ -7,23 +7,19 @@ count of the threshold and the controller that adapts it (:mod:`control`).
 Error feedback, aggregation and metrics are the shared loop's (:mod:`loop`).
 """
 
+import functools
 from typing import NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from sidco_jax._src import control as control_lib
-from sidco_jax._src import passes, thresholds
-from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     ADAPTATIONS,
     SLOT_BYTES,
     Adaptation,
     CompressMetrics,
     Estimator,
-    Rule,
-    Selection,
     check_capacity_factor,
     check_choice,
     check_estimator,
@@ -33,9 +29,14 @@ from sidco_jax._src.base import (
     cond_on_device,
     static,
 )
-from sidco_jax._src.loop import LoopOptions, build
-from sidco_jax._src.options import takes_loop_options
-from sidco_jax._src.selection import fill_if_starved
+from sidco_jax._src.loop.options import takes_loop_options
+from sidco_jax._src.loop.rule import Rule, Selection
+from sidco_jax._src.loop.selection import fill_if_starved
+from sidco_jax._src.loop.sparsifier import LoopOptions, build
+from sidco_jax._src.ops import passes
+from sidco_jax._src.ops import payload as payload_lib
+from sidco_jax._src.rules import control as control_lib
+from sidco_jax._src.stats import thresholds
 
 STARTING_STAGES = (
     "is where an adaptation starts, read by init only, so an injected value would change "
@@ -64,6 +65,20 @@ class SidcoState(NamedTuple):
     previous: jax.Array
 
 
+class _Options(NamedTuple):
+    """SIDCo's options, checked by :func:`compress`."""
+
+    ratio: float
+    estimator: Estimator
+    stages: int
+    adaptation: Adaptation | None
+    first_ratio: float
+    capacity_factor: float
+    period: int
+    band: float
+    carry: bool
+
+
 def rule(
     ratio: float,
     *,
@@ -81,61 +96,67 @@ def rule(
     ``carry``: whether ``"fill"`` tries the last step's threshold first (one
     threshold over the whole model; per leaf there are several).
     """
-    limit = thresholds.stage_limit(ratio)
+    o = _Options(
+        ratio, estimator, stages, adaptation, first_ratio, capacity_factor, period, band, carry
+    )
+    return Rule(
+        functools.partial(_init, o), functools.partial(_select, o), functools.partial(_observe, o)
+    )
 
-    def init(params):
-        del params
-        control = control_lib.init() if adaptation is not None else optax.EmptyState()
-        scale, previous = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)  # two buffers
-        return SidcoState(jnp.asarray(stages, jnp.int32), control, scale, previous)
 
-    def current(state: SidcoState) -> jax.Array:
-        # Fixed, the count is the factory's: an injected stages takes effect.
-        return state.stages if adaptation is not None else jnp.asarray(stages, jnp.int32)
+def _init(o: _Options, params) -> SidcoState:
+    del params
+    control = control_lib.init() if o.adaptation is not None else optax.EmptyState()
+    scale, previous = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)  # two buffers
+    return SidcoState(jnp.asarray(o.stages, jnp.int32), control, scale, previous)
 
-    def select(vectors, abs_sums, state, key):
-        del key
-        n = sum(v.shape[0] for v in vectors)
-        cap = payload_lib.slots_for(n, ratio, capacity_factor)
 
-        def fitted():
-            total = jnp.sum(abs_sums)
-            eta = thresholds.from_abs_sum(
-                vectors, total, ratio, estimator, current(state), first_ratio
-            )
-            return eta * jnp.exp(state.scale)
+def _current(o: _Options, state: SidcoState) -> jax.Array:
+    # Fixed, the count is the factory's: an injected stages takes effect.
+    return state.stages if o.adaptation is not None else jnp.asarray(o.stages, jnp.int32)
 
-        if adaptation != "fill":
-            payload, eta = payload_lib.select_or_top(vectors, fitted(), cap, jnp.sum(abs_sums))
-            return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
-        previous = state.previous if carry else None
-        payload, eta = _fill(vectors, jnp.sum(abs_sums), fitted, previous, cap)
+
+def _select(o: _Options, vectors, abs_sums, state: SidcoState, key) -> Selection:
+    del key
+    n = sum(v.shape[0] for v in vectors)
+    cap = payload_lib.slots_for(n, o.ratio, o.capacity_factor)
+
+    def fitted():
+        total = jnp.sum(abs_sums)
+        stages = _current(o, state)
+        eta = thresholds.from_abs_sum(vectors, total, o.ratio, o.estimator, stages, o.first_ratio)
+        return eta * jnp.exp(state.scale)
+
+    if o.adaptation != "fill":
+        payload, eta = payload_lib.select_or_top(vectors, fitted(), cap, jnp.sum(abs_sums))
         return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
+    previous = state.previous if o.carry else None
+    payload, eta = _fill(vectors, jnp.sum(abs_sums), fitted, previous, cap)
+    return Selection(payload, eta, cap * SLOT_BYTES, filled=True)
 
-    def observe(state: SidcoState, figures: CompressMetrics) -> SidcoState:
-        if adaptation is None:
-            return state._replace(stages=current(state))
-        achieved = jnp.where(figures.nonfinite, 1.0, figures.density / figures.target_density)
-        new_stages, control = control_lib.adapt(
-            state.stages,
-            state.control,
-            achieved,
-            adaptation=adaptation,
-            period=period,
-            band=band,
-            max_stages=limit,
-        )
-        scale, previous = state.scale, state.previous
-        if adaptation == "fill":
-            if carry:
-                previous = jnp.where(figures.nonfinite, previous, figures.threshold)
-            # The figures are agreed across devices, so the factor is too.
-            # Capacity in entries is capacity_factor x target (less its ceil).
-            selected = figures.selected_density / (capacity_factor * figures.target_density)
-            scale = control_lib.fill(state.scale, selected, figures.nonfinite)
-        return SidcoState(new_stages, control, scale, previous)
 
-    return Rule(init, select, observe)
+def _observe(o: _Options, state: SidcoState, figures: CompressMetrics) -> SidcoState:
+    if o.adaptation is None:
+        return state._replace(stages=_current(o, state))
+    achieved = jnp.where(figures.nonfinite, 1.0, figures.density / figures.target_density)
+    new_stages, control = control_lib.adapt(
+        state.stages,
+        state.control,
+        achieved,
+        adaptation=o.adaptation,
+        period=o.period,
+        band=o.band,
+        max_stages=thresholds.stage_limit(o.ratio),
+    )
+    scale, previous = state.scale, state.previous
+    if o.adaptation == "fill":
+        if o.carry:
+            previous = jnp.where(figures.nonfinite, previous, figures.threshold)
+        # The figures are agreed across devices, so the factor is too.
+        # Capacity in entries is capacity_factor x target (less its ceil).
+        selected = figures.selected_density / (o.capacity_factor * figures.target_density)
+        scale = control_lib.fill(state.scale, selected, figures.nonfinite)
+    return SidcoState(new_stages, control, scale, previous)
 
 
 def _fill(vectors, abs_sum, fitted, previous, cap: int):

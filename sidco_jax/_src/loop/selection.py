@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src import payload as payload_lib
-from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES, Rule, Selection
+from sidco_jax._src.base import SLOT_BYTES, VALUE_BYTES
+from sidco_jax._src.loop.rule import Rule, Selection
+from sidco_jax._src.ops import payload as payload_lib
 
 
 class Chosen(NamedTuple):

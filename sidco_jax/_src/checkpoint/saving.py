@@ -11,7 +11,7 @@ device sends its residual eventually and the update is the mean over devices,
 so the owed update is the mean of the residuals. Every new device starts from
 that mean (so the new mean equals the old), with a :class:`ResidualWarning`.
 
-Every checkpoint carries a manifest (:mod:`sidco_jax._src.manifest`): the
+Every checkpoint carries a manifest (:mod:`sidco_jax._src.checkpoint.manifest`): the
 shapes each array was saved with, per device for the residuals, and a checksum
 of every shard, so that :func:`restore` refuses a changed model or damaged
 data instead of reading them back as other numbers.
@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidco_jax._src import layout as layout_lib
-from sidco_jax._src import manifest, residuals, storage
 from sidco_jax._src.base import CompressState
-from sidco_jax._src.sharding import is_residual
+from sidco_jax._src.checkpoint import manifest, storage
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop import residuals
+from sidco_jax._src.parallel import is_per_device
 
 
 class ResidualWarning(UserWarning):
@@ -218,7 +219,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         as_saved = _as_saved(target, tree, cuts)
         flat, treedef = jax.tree_util.tree_flatten_with_path(as_saved)
         abstract = [_abstract(leaf) for _, leaf in flat]
-        marks = jax.tree.leaves(is_residual(as_saved))
+        marks = jax.tree.leaves(is_per_device(as_saved))
         saved, entries = _by_name(tree), [described.get(manifest.key(k)) for k, _ in flat]
         for (keys, _), leaf, sliced, entry in zip(
             flat, abstract, jax.tree.leaves(_in_slices(as_saved)), entries, strict=True

@@ -16,23 +16,22 @@ import optax
 from jax import lax
 from jax.scipy import special
 
-from sidco_jax._src import codecs, fits, passes
-from sidco_jax._src import payload as payload_lib
 from sidco_jax._src.base import (
     SLOT_BYTES,
     VALUE_BYTES,
-    Rule,
-    Selection,
     check_capacity_factor,
     check_number,
     check_ratio,
-    empty_init,
     static,
 )
 from sidco_jax._src.base import k_of as _k
-from sidco_jax._src.loop import LoopOptions, build
-from sidco_jax._src.options import takes_loop_options
-from sidco_jax._src.selection import every_entry, everything
+from sidco_jax._src.loop.options import takes_loop_options
+from sidco_jax._src.loop.rule import Rule, Selection, empty_init
+from sidco_jax._src.loop.selection import every_entry, everything
+from sidco_jax._src.loop.sparsifier import LoopOptions, build
+from sidco_jax._src.ops import codecs, passes
+from sidco_jax._src.ops import payload as payload_lib
+from sidco_jax._src.stats import fits
 
 
 @takes_loop_options
@@ -83,7 +82,7 @@ def _threshold_rule(ratio: float, slots, threshold, finish=_above) -> Rule:
         (default: what passes it, or the top ``cap`` where nothing does).
 
     At ``k = n`` the rule sends every entry: an estimated threshold would keep those
-    at or below it (:func:`~sidco_jax._src.selection.every_entry`).
+    at or below it (:func:`~sidco_jax._src.loop.selection.every_entry`).
     """
 
     def select(vectors, abs_sums, state, key):

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from sidco_jax._src import memo
 from sidco_jax._src.base import check_integer, check_transformation, next_count, static
-from sidco_jax._src.eager import compiled_when_eager
+from sidco_jax._src.loop import memo
+from sidco_jax._src.loop.eager import compiled_when_eager
 
 STATIC_WHY = "decides which steps synchronize and must be static"
 

@@ -1,11 +1,12 @@
 """What each way of averaging the devices' messages costs: an alpha-beta model.
 
-A collective over ``P`` devices costs ``messages x latency + bytes / bandwidth``
+A collective over ``P`` devices costs ``rounds x latency + bytes / bandwidth``
 for one device, where ``bytes`` is what that device receives (what it sends is
-the same in every mode here) and ``messages`` the rounds it waits for:
+the same in every mode here) and ``rounds`` the messages it waits for in turn, each
+paying the link's latency:
 
 ========================  ================  =========================================
-mode                      messages          bytes received per device
+mode                      rounds            bytes received per device
 ========================  ================  =========================================
 ``"dense"`` (ring)        ``2 (P - 1)``     ``2 (P - 1) / P x 4n``
 ``"sparse"`` (gather)     ``P - 1``         ``(P - 1) x B(k, n)``
@@ -34,7 +35,6 @@ import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
-from sidco_jax._src import codecs
 from sidco_jax._src.base import (
     VALUE_BYTES,
     check_bool,
@@ -43,6 +43,7 @@ from sidco_jax._src.base import (
     check_number,
     static,
 )
+from sidco_jax._src.ops import codecs
 
 ROUTE_SLACK = 2  # slots per region owner, in units of an even share k / P
 
@@ -159,10 +160,14 @@ def received_bytes(
     return (p - 1) * message_bytes(mode, size, capacity, p, wire)
 
 
-def messages(mode: str, devices: int, shared: bool = False) -> int:
-    """Rounds of latency one device waits for in ``mode`` (see the module table)."""
-    rounds = 1 if mode == "sparse" and not shared else 2
-    return rounds * (devices - 1)
+def rounds(mode: str, devices: int, shared: bool = False) -> int:
+    """The messages one device waits for in turn in ``mode``, each paying the link's latency.
+
+    An all-gather is one phase of ``P - 1`` of them; an all-reduce (a reduce-scatter,
+    then an all-gather) two. See the module table.
+    """
+    phases = 1 if mode == "sparse" and not shared else 2
+    return phases * (devices - 1)
 
 
 def seconds(
@@ -176,7 +181,7 @@ def seconds(
 ) -> float:
     """Modelled time of one aggregation in ``mode``: latency plus transfer."""
     received = received_bytes(mode, size, capacity, devices, shared, wire)
-    return messages(mode, devices, shared) * link.latency + received / link.bandwidth
+    return rounds(mode, devices, shared) * link.latency + received / link.bandwidth
 
 
 def hierarchical_seconds(

@@ -32,10 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import codecs, collectives, costs
-from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.analysis import costs
 from sidco_jax._src.base import AxisName
-from sidco_jax._src.payload import Payload
+from sidco_jax._src.loop import collectives
+from sidco_jax._src.ops import codecs
+from sidco_jax._src.ops import payload as payload_lib
+from sidco_jax._src.ops.payload import Payload
 
 
 class Routed(NamedTuple):
@@ -140,7 +142,7 @@ def exchange(
       axis_name: the mesh axis (or tuple of axes) to average over.
       reselect: the owner's selection: given its region's float32 mean, a
         payload indexed within the region (the region's length = padding).
-      wire: the :class:`~sidco_jax._src.codecs.Codec` of both messages.
+      wire: the :class:`~sidco_jax._src.ops.codecs.Codec` of both messages.
 
     Returns:
       A :class:`Reduced`.

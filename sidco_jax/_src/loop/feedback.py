@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import passes
-from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.ops import passes
+from sidco_jax._src.ops import payload as payload_lib
 
 
 class Fed(NamedTuple):

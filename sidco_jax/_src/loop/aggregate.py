@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import codecs, collectives, costs, sparse_allreduce
-from sidco_jax._src import payload as payload_lib
+from sidco_jax._src.analysis import costs
 from sidco_jax._src.base import VALUE_BYTES, AxisName
+from sidco_jax._src.loop import collectives, sparse_allreduce
+from sidco_jax._src.ops import codecs
+from sidco_jax._src.ops import payload as payload_lib
 
 
 def resolve(
@@ -197,14 +199,14 @@ def aggregate(
     """The mean over ``axis_name`` of every device's choice, in the resolved mode.
 
     Args:
-      chosen: the select phase's :class:`~sidco_jax._src.selection.Chosen`.
-      fed: the error-feedback phase's :class:`~sidco_jax._src.feedback.Fed`.
+      chosen: the select phase's :class:`~sidco_jax._src.loop.selection.Chosen`.
+      fed: the error-feedback phase's :class:`~sidco_jax._src.loop.feedback.Fed`.
       others: the complex leaves, averaged densely.
       axis_name: the mesh axis (or tuple of axes), or None for local.
       communication: the ``communication`` option (``"auto"`` resolved here).
       link: the link of ``axis_name`` for ``"auto"``.
       reselect: the owner's selection in the sparse all-reduce.
-      wire: the sparse messages' :class:`~sidco_jax._src.codecs.Codec`.
+      wire: the sparse messages' :class:`~sidco_jax._src.ops.codecs.Codec`.
       agree_over: the axes the step's figures are agreed over (default
         ``axis_name``): in the sharded hierarchy, the inner axis's too.
     """

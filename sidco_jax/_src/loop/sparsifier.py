@@ -33,9 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidco_jax._src import aggregate as aggregate_lib
-from sidco_jax._src import codecs, costs, feedback, hierarchy, residuals, selection, slices
-from sidco_jax._src import layout as layout_lib
+from sidco_jax._src.analysis import costs
 from sidco_jax._src.base import (
     COMMUNICATIONS,
     GRANULARITIES,
@@ -45,21 +43,24 @@ from sidco_jax._src.base import (
     CompressMetrics,
     CompressState,
     Granularity,
-    Rule,
     axis_names,
     check_bool,
     check_choice,
     check_integer,
     check_ratio,
     check_seed,
-    empty_init,
     is_float,
     next_count,
     static,
 )
-from sidco_jax._src.eager import compiled_when_eager
-from sidco_jax._src.layout import Layout
-from sidco_jax._src.warmup import warmed_up
+from sidco_jax._src.loop import aggregate as aggregate_lib
+from sidco_jax._src.loop import feedback, hierarchy, residuals, selection, slices
+from sidco_jax._src.loop import layout as layout_lib
+from sidco_jax._src.loop.eager import compiled_when_eager
+from sidco_jax._src.loop.layout import Layout
+from sidco_jax._src.loop.rule import Rule, empty_init
+from sidco_jax._src.loop.warmup import warmed_up
+from sidco_jax._src.ops import codecs
 
 
 class LoopOptions(TypedDict, total=False):
@@ -385,33 +386,12 @@ def build(
     rule: Rule, ratio: float, **options: Unpack[LoopOptions]
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`sparsifier` of ``ratio`` and options :func:`configure` checked (all of them)."""
-    _, granularity, error_feedback, seed, axis_name, communication, *rest = Options(
-        ratio, **options
-    )
-    inner_axis, shards, link, warmup_steps, layout, bucket_bytes, values, indices = rest
-    wire = codecs.Codec(values, indices)
-    by_leaf = granularity == "leaf"
-    node = hierarchy.choose(inner_axis, shards)
+    o = Options(ratio, **options)
+    node = hierarchy.choose(o.inner_axis, o.inner_shards)
+    wire = codecs.Codec(o.values, o.indices)
 
     def init(params):
-        floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
-        n = sum(int(np.prod(jnp.shape(leaf))) for leaf in floats)
-        _check_size(n)
-        if shards is not None:
-            slices.check_size(n, shards)
-        zero = jnp.zeros((), jnp.int32)
-        eta = jnp.zeros((len(floats),) if by_leaf else (), jnp.float32)
-        residual = None
-        if error_feedback:
-            form = residuals.choose(layout_lib.resolve(layout, params), shards)
-            parts = layout_lib.plan(floats, form.layout, bucket_bytes, by_leaf)
-            residual = form.empty(params, parts, shards or 1)
-        return CompressState(
-            residual=residual,
-            count=zero,
-            last=step_metrics(ratio, zero, zero, 1, eta, 0, jnp.array(True)),
-            rule=rule.init(params),
-        )
+        return _init(rule, o, params)
 
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -420,22 +400,22 @@ def build(
         grads = [jnp.asarray(leaves[i]) for i in float_at]
         if not any(g.size for g in grads) and not complex_at:
             return updates, state._replace(count=next_count(state.count))
-        copies = hierarchy.devices(axis_name) * node.copies
-        form, parts = _form_and_parts(state.residual, updates, grads)
+        copies = hierarchy.devices(o.axis_name) * node.copies  # first: names an unbound axis
+        form, parts = _form_and_parts(o, state.residual, updates, grads)
 
         with jax.named_scope("pack"):
             others = [jnp.asarray(leaves[i]) for i in complex_at]
             g, others = node.pack(layout_lib.pack(parts, grads), others, parts)
             r = [jnp.zeros((), p.dtype) for p in parts]  # a full-size zero costs a pass
-            if error_feedback:
+            if o.error_feedback:
                 r = form.parts(state.residual, parts, float_at)
-        fed = feedback.error_feedback(list(zip(g, r, strict=True)), others, error_feedback)
-        key = jax.random.fold_in(jax.random.key(seed), state.count)
-        chosen = _select(fed, state.rule, key, parts, grads)
-        reselect = _reselect(rule, state.rule, key, len(parts) if by_leaf else 1)
-        agreed = node.agreed(axis_name)  # the axes the step's figures are agreed over
+        fed = feedback.error_feedback(list(zip(g, r, strict=True)), others, o.error_feedback)
+        key = jax.random.fold_in(jax.random.key(o.seed), state.count)
+        chosen = _select(rule, o, node, fed, state.rule, key, parts, grads)
+        reselect = _reselect(rule, state.rule, key, len(parts) if o.granularity == "leaf" else 1)
+        agreed = node.agreed(o.axis_name)  # the axes the step's figures are agreed over
         done = aggregate_lib.aggregate(
-            chosen, fed, others, axis_name, communication, link, reselect, wire, agreed
+            chosen, fed, others, o.axis_name, o.communication, o.link, reselect, wire, agreed
         )
         left = feedback.write_back(
             fed.u, done.figures.finite, done.sent, done.kept, [x.size for x in fed.u]
@@ -445,38 +425,59 @@ def build(
             done = done._replace(mean=node.unpack(done.mean, parts))
             out = _unpack(parts, leaves, float_at, complex_at, done)
             residual = state.residual
-            if error_feedback:
+            if o.error_feedback:
                 residual = form.store(state.residual, parts, left, float_at)
-        last = _metrics(ratio, done, sum(x.size for x in fed.u) * copies)
+        last = _metrics(o.ratio, done, sum(x.size for x in fed.u) * copies)
         observed = rule.observe(state.rule, last)
         new_state = CompressState(residual, next_count(state.count), last, observed)
         return jax.tree.unflatten(treedef, out), new_state
 
-    def _form_and_parts(residual, updates, grads):
-        """The residual's form, checked against the options and the gradient, and the parts."""
-        _check_size(sum(g.size for g in grads))
-        form = residuals.choose(layout_lib.resolve(layout, grads), shards)
-        if error_feedback:
-            form = _check_layout(layout, residual, shards is not None)
-        parts = layout_lib.plan(grads, form.layout, bucket_bytes, by_leaf)
-        if error_feedback:
-            form.check(residual, updates, parts)
-        return form, parts
-
-    def _select(fed, rule_state, key, parts, grads):
-        """The select phase: the rule over all parts, or over each leaf's own."""
-        leaf_info = [(i, grads[i].dtype, grads[i].size) for p in parts for i in p.leaves]
-        spans = node.spans(parts, [size for *_, size in leaf_info])
-        groups = len(grads) if by_leaf else None
-        return selection.select(
-            rule, fed.u, fed.abs_sums, rule_state, key, leaf_info, groups, spans
-        )
-
     compressed = optax.GradientTransformationExtraArgs(init, update)
-    if not (isinstance(warmup_steps, int) and warmup_steps == 0):
-        dense = _dense_mean(options)
-        compressed = warmed_up(compressed, dense, warmup_steps)
+    if not (isinstance(o.warmup_steps, int) and o.warmup_steps == 0):
+        compressed = warmed_up(compressed, _dense_mean(options), o.warmup_steps)
     return compiled_when_eager(compressed)
+
+
+def _init(rule: Rule, o: Options, params) -> CompressState:
+    """The loop's ``init``: an empty residual in the form the options and devices ask for."""
+    floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
+    n = sum(int(np.prod(jnp.shape(leaf))) for leaf in floats)
+    _check_size(n)
+    if o.inner_shards is not None:
+        slices.check_size(n, o.inner_shards)
+    zero = jnp.zeros((), jnp.int32)
+    eta = jnp.zeros((len(floats),) if o.granularity == "leaf" else (), jnp.float32)
+    residual = None
+    if o.error_feedback:
+        form = residuals.choose(layout_lib.resolve(o.layout, params), o.inner_shards)
+        parts = layout_lib.plan(floats, form.layout, o.bucket_bytes, o.granularity == "leaf")
+        residual = form.empty(params, parts, o.inner_shards or 1)
+    return CompressState(
+        residual=residual,
+        count=zero,
+        last=step_metrics(o.ratio, zero, zero, 1, eta, 0, jnp.array(True)),
+        rule=rule.init(params),
+    )
+
+
+def _form_and_parts(o: Options, residual, updates, grads):
+    """The residual's form, checked against the options and the gradient, and the parts."""
+    _check_size(sum(g.size for g in grads))
+    form = residuals.choose(layout_lib.resolve(o.layout, grads), o.inner_shards)
+    if o.error_feedback:
+        form = _check_layout(o.layout, residual, o.inner_shards is not None)
+    parts = layout_lib.plan(grads, form.layout, o.bucket_bytes, o.granularity == "leaf")
+    if o.error_feedback:
+        form.check(residual, updates, parts)
+    return form, parts
+
+
+def _select(rule: Rule, o: Options, node, fed, rule_state, key, parts, grads):
+    """The select phase: the rule over all parts, or over each leaf's own."""
+    leaf_info = [(i, grads[i].dtype, grads[i].size) for p in parts for i in p.leaves]
+    spans = node.spans(parts, [size for *_, size in leaf_info])
+    groups = len(grads) if o.granularity == "leaf" else None
+    return selection.select(rule, fed.u, fed.abs_sums, rule_state, key, leaf_info, groups, spans)
 
 
 def _dense_mean(options: LoopOptions) -> optax.GradientTransformationExtraArgs:

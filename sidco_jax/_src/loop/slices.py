@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sidco_jax._src import collectives
 from sidco_jax._src.base import AxisName, check_integer, static
+from sidco_jax._src.loop import collectives
 
 
 def check(inner_shards, inner_axis, layout: str) -> int | None:

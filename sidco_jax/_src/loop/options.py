@@ -3,17 +3,17 @@
 Each factory (:func:`~sidco_jax.compress`, :func:`~sidco_jax.topk`, ...,
 :func:`~sidco_jax.dense`) is written as ``factory(ratio, *, own options,
 **options)`` and decorated with :func:`takes_loop_options`. The decorator
-checks ``ratio`` and the loop's options (:func:`~sidco_jax._src.loop.configure`,
+checks ``ratio`` and the loop's options (:func:`~sidco_jax._src.loop.sparsifier.configure`,
 the one place they are checked) and calls the factory with them checked; the
 factory checks its own options and hands the rest to
-:func:`~sidco_jax._src.loop.build`, which trusts them.
+:func:`~sidco_jax._src.loop.sparsifier.build`, which trusts them.
 """
 
 import functools
 import inspect
 
-from sidco_jax._src import memo
-from sidco_jax._src.loop import LOOP_OPTIONS, configure, sparsifier
+from sidco_jax._src.loop import memo
+from sidco_jax._src.loop.sparsifier import LOOP_OPTIONS, configure, sparsifier
 
 
 def takes_loop_options(factory=None, /, **defaults):

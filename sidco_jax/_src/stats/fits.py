@@ -2,7 +2,7 @@
 
 Each fit is computed from a few sums (count, total, total of squares or of
 logs), so the same estimator serves the masked public fits here and the
-one-pass-per-sum stages of :mod:`sidco_jax._src.thresholds`. Every fit returns
+one-pass-per-sum stages of :mod:`sidco_jax._src.stats.thresholds`. Every fit returns
 finite parameters for any finite input; degenerate data (no entries, zero
 variance, zero mean) gives parameters whose tail quantile is finite and >= 0.
 """
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from sidco_jax._src.special import gammainccinv
+from sidco_jax._src.stats.special import gammainccinv
 
 # Shape parameters are kept in a range where the quantile functions stay finite
 # in float32 (|xi| below this is treated as the exponential limit).

@@ -22,10 +22,10 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sidco_jax._src import residuals
-from sidco_jax._src.accumulate import AccumulateState
 from sidco_jax._src.base import AxisName, CompressState
-from sidco_jax._src.outer import OuterState
+from sidco_jax._src.loop import residuals
+from sidco_jax._src.wrappers.accumulate import AccumulateState
+from sidco_jax._src.wrappers.outer import OuterState
 
 
 def _is_state(node) -> bool:
@@ -61,7 +61,7 @@ def _kinds(opt_state: optax.OptState) -> Any:
     return jax.tree.map(kind, opt_state, is_leaf=_is_state)
 
 
-def is_residual(opt_state: optax.OptState) -> Any:
+def is_per_device(opt_state: optax.OptState) -> Any:
     """A tree like ``opt_state`` with True at every per-device leaf.
 
     Those are the error-feedback residuals of every
