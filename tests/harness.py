@@ -109,12 +109,10 @@ def run_shard_map(tx, stream, devices=DEVICES, start=None):
     return updates, states, params
 
 
-def run_on_mesh(tx, stream, mesh, state_axes, params=None):
-    """``tx`` under ``shard_map(check_vma=True)`` on ``mesh``, gradients split over all its axes.
-
-    The residuals are split over ``state_axes``. Returns every step's update
-    and the last state.
-    """
+def mesh_step(tx, mesh, state_axes, params=None):
+    """``tx`` jitted under ``shard_map(check_vma=True)`` on ``mesh``, residuals split over
+    ``state_axes``: ``(step, params, state, put)``, the placed parameters, a fresh state, and
+    ``put(grads)``, which splits gradients with a leading device axis over all mesh axes."""
     params = jax.device_put(params_tree() if params is None else params, NamedSharding(mesh, P()))
     state = sidco.parallel.shard_init(tx, params, mesh, state_axes)
     specs = sidco.parallel.state_specs(state, state_axes)
@@ -131,9 +129,19 @@ def run_on_mesh(tx, stream, mesh, state_axes, params=None):
     def step(params, state, grads):
         return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
 
+    return step, params, state, lambda grads: jax.device_put(grads, NamedSharding(mesh, P(every)))
+
+
+def run_on_mesh(tx, stream, mesh, state_axes, params=None):
+    """``tx`` under ``shard_map(check_vma=True)`` on ``mesh``, gradients split over all its axes.
+
+    The residuals are split over ``state_axes``. Returns every step's update
+    and the last state.
+    """
+    step, params, state, put = mesh_step(tx, mesh, state_axes, params)
     updates = []
     for grads in stream:
-        update, state = step(params, state, jax.device_put(grads, NamedSharding(mesh, P(every))))
+        update, state = step(params, state, put(grads))
         updates.append(update)
     return updates, state
 

@@ -14,6 +14,7 @@ from harness import (
     copies,
     gradient_stream,
     mesh_of,
+    mesh_step,
     one_of_each_kind,
     params_tree,
     run_on_mesh,
@@ -64,25 +65,11 @@ def _each_from_the_start(tx, streams, mesh, m):
 
     What :func:`harness.run_on_mesh` returns for each, through one jitted step.
     """
-    params = jax.device_put({"slice": jnp.zeros(m)}, NamedSharding(mesh, P()))
-    fresh = sidco.parallel.shard_init(tx, params, mesh, AXIS)
-    specs = sidco.parallel.state_specs(fresh, AXIS)
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), specs, P(AXIS)),
-        out_specs=(P(), specs),
-        check_vma=True,
-    )
-    def step(params, state, grads):
-        return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
-
+    step, params, fresh, put = mesh_step(tx, mesh, AXIS, {"slice": jnp.zeros(m)})
     for stream in streams:
         state, updates = fresh, []
         for grads in stream:
-            update, state = step(params, state, jax.device_put(grads, NamedSharding(mesh, P(AXIS))))
+            update, state = step(params, state, put(grads))
             updates.append(update)
         yield updates, state
 
