@@ -368,7 +368,11 @@ def _train(task, config, name: str, ratio: float, steps: int) -> dict:
 def run_job(link: VirtualLink, spec: dict, timeout: float, workdir: pathlib.Path) -> list[dict]:
     """Runs both processes of one job on ``link``; returns their results (process 0 first)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['local_devices']}"
+    # The caller's other XLA flags reach the workers (a test suite's faster code generation,
+    # a dump directory); only the device count is the job's own.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={spec['local_devices']}")
+    env["XLA_FLAGS"] = " ".join(flags)
     cores = os.cpu_count() or 1
     processes, logs = [], []
     for side in (0, 1):

@@ -7,7 +7,8 @@ median with its interquartile range and ratios taken in the same run.
 * ``kernels``: SIDCo-E/P/GP threshold + fixed-capacity payload on one flat
   vector against ``lax.top_k`` (plus the same gather), the naive
   ``jnp.nonzero(size=capacity)`` payload and one ``sum(|x|)`` pass.
-* ``updates``: the whole ``jax.jit(tx.update)`` of every registered compressor
+* ``updates``: the whole ``jax.jit(tx.update)`` of each of ``--compressors``
+  (by default every registered compressor; top-k's always, the ratios' base)
   and of SIDCo-E/P with ``adaptation="paper"`` and SIDCo-E with its stage count
   fixed at ``max_stages(ratio)``, also with every stage reading every entry
   (the middle stages fit a sample otherwise) (error feedback, selection,
@@ -72,6 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = {"sidco-e": "exponential", "sidco-p": "gpareto", "sidco-gp": "gamma"}
 MODES = ("kernels", "updates", "phases", "step", "axis")
+TIMED = ("dense", "sidco-e", "sidco-p", "sidco-gp", "topk", "dgc")  # --compressors' default
 
 
 def one_pass(grads):
@@ -178,8 +180,9 @@ def kernels(n: int, ratio: float, stages: list[int], capacity_factor: float) -> 
     return out
 
 
-def updates(grads, ratio: float) -> tuple[dict, dict]:
-    """Whole updates of every compressor on ``grads``, with the one pass and SIDCo-E's kernel.
+def updates(grads, ratio: float, labels=LABELS) -> tuple[dict, dict]:
+    """Whole updates of each of ``labels`` on ``grads``, with the one pass, SIDCo-E's kernel
+    and the variants of SIDCo-E and others below.
 
     Returns the jitted calls of ``grads`` and each update's temporary bytes.
     """
@@ -193,7 +196,7 @@ def updates(grads, ratio: float) -> tuple[dict, dict]:
 
     calls = {"one pass": jax.jit(one_pass), "sidco-e threshold+payload": jax.jit(bare)}
     memory = {}
-    txs = {label: compressor(label, ratio) for label in LABELS}
+    txs = {label: compressor(label, ratio) for label in labels}
     # Training moves SIDCo's stage count (see steps()): its update at the ceiling too.
     most = sidco.stats.max_stages(ratio)
     txs[f"sidco-e, {most} stages fixed"] = sidco.compress(ratio, stages=most, adaptation=None)
@@ -617,9 +620,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compressors",
         nargs="+",
-        default=["dense", "sidco-e", "sidco-p", "sidco-gp", "topk", "dgc"],
         choices=LABELS,
-        help="step, phases: compressors to time (default: %(default)s)",
+        help="compressors to time (default: every one for updates; for step, phases and "
+        f"axis: {' '.join(TIMED)})",
     )
     parser.add_argument("--repeats", type=int, default=9, help="timed runs after warm-up")
     parser.add_argument(
@@ -651,6 +654,8 @@ def _rows(args, ratio: float):
             ms = ratio_columns(measure(fns, (x,), args.repeats), "top_k", "one pass")
             yield {"mode": "kernels", "source": f"2^{log2_n}", "ratio": ratio, "ms": ms}
         return
+    if args.compressors is None:
+        args.compressors = list(LABELS if args.mode == "updates" else TIMED)
     for source in args.source:
         row = {"mode": args.mode, "source": source, "ratio": ratio}
         if args.mode == "step":
@@ -669,17 +674,18 @@ def _rows(args, ratio: float):
         elif args.mode == "phases":
             yield {**row, "ms": phases(grads, ratio, args.compressors, args.repeats)}
         else:
-            yield from _update_rows(grads, ratio, source, args.repeats)
+            labels = dict.fromkeys(["topk", *args.compressors])  # the ratios' base, first
+            yield from _update_rows(grads, ratio, source, args.repeats, list(labels))
 
 
-def _update_rows(grads, ratio: float, source: str, repeats: int):
+def _update_rows(grads, ratio: float, source: str, repeats: int, labels):
     """The ``updates`` mode's rows: the tree, and a real model's tree as one flat leaf."""
     leaves = len(jax.tree.leaves(grads))
     variants = {"tree": grads}
     if leaves > 1 and not source.startswith("flat:"):
         variants["one flat leaf"] = flat_copy(grads)
     for label, g in variants.items():
-        calls, memory = updates(g, ratio)
+        calls, memory = updates(g, ratio, labels)
         yield {
             "mode": "updates",
             "source": f"{source} ({label})" if len(variants) > 1 else source,

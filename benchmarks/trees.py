@@ -26,6 +26,7 @@ modes:
 """
 
 import argparse
+import concurrent.futures
 import json
 import resource
 import subprocess
@@ -135,22 +136,31 @@ def compile_one(method: str, layout: str) -> dict:
     return {"method": method, "layout": layout, "seconds": seconds, "peak_bytes": peak}
 
 
-def compile_all(methods, layouts=LAYOUTS) -> list[dict]:
-    """:func:`compile_one` for each method and layout, each in a fresh process."""
+def _compile_in_a_fresh_process(method: str, layout: str) -> dict:
+    code = (
+        "import json, sys; from benchmarks.trees import compile_one; "
+        f"print(json.dumps(compile_one({method!r}, {layout!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compile_all(methods, layouts=LAYOUTS, workers: int = 1) -> list[dict]:
+    """:func:`compile_one` for each method and layout, each in a fresh process.
+
+    ``workers`` processes run at once; each compile is one thread, so up to one per core
+    leaves its seconds those of a machine to itself.
+    """
+    pairs = [(method, layout) for method in methods for layout in layouts]
     rows = []
-    for method in methods:
-        for layout in layouts:
-            code = (
-                "import json, sys; from benchmarks.trees import compile_one; "
-                f"print(json.dumps(compile_one({method!r}, {layout!r})))"
-            )
-            out = subprocess.run(
-                [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True
-            )
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            row = rows[-1]
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for row in pool.map(lambda pair: _compile_in_a_fresh_process(*pair), pairs):
+            rows.append(row)
             print(
-                f"| {method} | {layout} | {row['seconds']:.1f} | {row['peak_bytes'] / 2**30:.2f} |",
+                f"| {row['method']} | {row['layout']} | {row['seconds']:.1f} "
+                f"| {row['peak_bytes'] / 2**30:.2f} |",
                 flush=True,
             )
     return rows
@@ -172,8 +182,13 @@ def main(argv=None) -> dict:
         action="store_true",
         help="compile: the first compressor of each kind of rule (sidco_jax.traits), not all",
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="compile: processes at once (at most the cores)"
+    )
     parser.add_argument("--json", type=Path, help="default: benchmarks/results/trees_<mode>.json")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
 
     rows = []
     if args.mode == "updates":
@@ -208,7 +223,7 @@ def main(argv=None) -> dict:
             for method in methods:
                 firsts.setdefault(sidco.traits(method).kind, method)
             methods = list(firsts.values())
-        rows = compile_all(methods, args.layouts)
+        rows = compile_all(methods, args.layouts, args.workers)
     meta = harness.meta("benchmarks.trees", argv)
     path = args.json or ROOT / "benchmarks" / "results" / f"trees_{args.mode}.json"
     print(f"wrote {harness.write(path, {'meta': meta, 'rows': rows})}")
