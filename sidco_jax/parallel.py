@@ -3,7 +3,8 @@
 Under ``jax.shard_map`` each device keeps its own error-feedback residual and
 the rest of the state is replicated: :func:`state_specs` and
 :func:`state_shardings` say so for any optimizer state, :func:`shard_init`
-builds it in place, :func:`place` puts parameters and batches on a mesh, and
+builds it in place, :func:`place` puts parameters and batches on a mesh,
+:func:`gather` makes sharded parameters whole for the forward pass, and
 :func:`data_parallel_step` wraps a loss into a jitted step for those who do not
 write their own (docs/distributed.md).
 """
@@ -12,6 +13,7 @@ import warnings
 
 from sidco_jax._src.parallel import (
     data_parallel_step,
+    gather,
     is_per_device,
     per_device,
     place,
@@ -33,6 +35,7 @@ def is_residual(opt_state):
 
 __all__ = [
     "data_parallel_step",
+    "gather",
     "is_per_device",
     "per_device",
     "place",

@@ -234,7 +234,7 @@ def test_a_replicated_state_is_refused_by_a_sharded_compressor(rng):
     step = sidco.parallel.data_parallel_step(
         lambda w, b: jnp.vdot(w["b"], b), _sharded(), state, _mesh(), BOTH, state_axis=NODE
     )
-    with pytest.raises(ValueError, match="this compressor shards it over inner_axis"):
+    with pytest.raises(ValueError, match=r"this compressor keeps it as 'slices' \(inner_shards\)"):
         step(params, state, np.ones((8, 40), np.float32))
 
 

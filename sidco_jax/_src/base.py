@@ -106,6 +106,18 @@ def cond_on_device(pred, true_fn, false_fn):
     return jax.lax.cond(pred, varying(true_fn), varying(false_fn), None)
 
 
+def zeros_as(struct: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``struct``'s shape and dtype, varying across the devices it varies across.
+
+    Under ``shard_map`` a ``lax.cond`` branch made of constants must match the
+    other branch's outputs, which vary where they hold each device's own
+    entries (the shards of sharded parameters, say).
+    """
+    zeros = jnp.zeros(struct.shape, struct.dtype)
+    axes = getattr(getattr(struct, "manual_axis_type", None), "varying", ())
+    return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+
+
 def platform_of(tree) -> str:
     """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) the arrays of ``tree`` are for.
 

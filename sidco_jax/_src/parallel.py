@@ -11,6 +11,7 @@ global arrays the residuals of ``d`` devices are stacked along each leaf's
 ``[i * m, (i + 1) * m)``.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sidco_jax._src.base import AxisName, CompressState
+from sidco_jax._src.base import AxisName, CompressState, is_float
 from sidco_jax._src.loop import residuals
 from sidco_jax._src.wrappers.accumulate import AccumulateState
 from sidco_jax._src.wrappers.outer import OuterState
@@ -79,7 +80,11 @@ def is_per_device(opt_state: optax.OptState) -> Any:
 
 
 def state_specs(
-    opt_state: optax.OptState, axis_name: AxisName, *, accumulator_axis: AxisName | None = None
+    opt_state: optax.OptState,
+    axis_name: AxisName,
+    *,
+    accumulator_axis: AxisName | None = None,
+    param_specs: Any = None,
 ) -> Any:
     """Partition specs for a whole optax state containing sidco_jax states.
 
@@ -101,6 +106,11 @@ def state_specs(
         compressor (``compress(r, axis_name="node", inner_axis="local")``)
         that is ``("node", "local")``: the node's mean is taken when the
         accumulated gradient is compressed, after the micro-steps.
+      param_specs: the parameters' partition specs, a tree like the
+        parameters (default None: replicated). Sharded parameters shard the
+        optimizer state that follows them: every part of the state outside
+        the sidco_jax states with the parameters' tree structure (a
+        momentum, Adam's moments) gets these specs.
 
     Returns:
       A tree of ``PartitionSpec`` with the structure of ``opt_state``.
@@ -114,7 +124,28 @@ def state_specs(
     """
     accumulator_axis = axis_name if accumulator_axis is None else accumulator_axis
     spec = {_REPLICATED: P(), _RESIDUAL: P(axis_name), _ACCUMULATOR: P(accumulator_axis)}
-    return jax.tree.map(spec.__getitem__, _kinds(opt_state))
+    specs = jax.tree.map(spec.__getitem__, _kinds(opt_state))
+    return specs if param_specs is None else _following(opt_state, specs, param_specs)
+
+
+def _following(opt_state, specs, param_specs) -> Any:
+    """``specs`` with ``param_specs`` at every part of ``opt_state`` outside sidco_jax's states
+    that has the parameters' structure (and leaves of at least the dimensions their specs
+    name): the optimizer state that follows the parameters."""
+    structure = jax.tree.structure(param_specs, is_leaf=_is_spec)
+    wanted = jax.tree.leaves(param_specs, is_leaf=_is_spec)
+
+    def follows(node) -> bool:
+        if _is_state(node) or jax.tree.structure(node) != structure:
+            return False
+        leaves = jax.tree.leaves(node)
+        return all(np.ndim(x) >= len(s) for x, s in zip(leaves, wanted, strict=True))
+
+    def choose(node, spec):
+        return structure.unflatten(wanted) if follows(node) else spec
+
+    stop = lambda n: _is_state(n) or follows(n)  # noqa: E731
+    return jax.tree.map(choose, opt_state, specs, is_leaf=stop)
 
 
 def state_shardings(
@@ -160,11 +191,39 @@ def shard_init(
     _devices_along(mesh, axis_name)
     if accumulator_axis is not None:
         _devices_along(mesh, accumulator_axis, "accumulator_axis")
-    abstract = jax.eval_shape(tx.init, params)
-    specs = state_specs(abstract, axis_name, accumulator_axis=accumulator_axis)
+    # What each device's init sees: its shards of the parameters (a Cut records their shapes).
+    one, full = params, None
+    if param_specs is not None:
+        one = _by_spec(lambda spec, p: _shard_struct(p, mesh, spec), param_specs, params)
+        full = _by_spec(lambda spec, _: spec, param_specs, params)
+    abstract = jax.eval_shape(tx.init, one)
+    specs = state_specs(abstract, axis_name, accumulator_axis=accumulator_axis, param_specs=full)
     in_specs = (P() if param_specs is None else param_specs,)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
     return jax.jit(init)(params)
+
+
+def _check_all_sharded(params, specs) -> None:
+    """Refuses a floating-point leaf left whole among sharded parameters: each device's
+    gradient of it would be its own, and the compressor would update it differently on each."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True):
+        if is_float(leaf) and not _spec_axes(spec):
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is whole on every device (its spec is "
+                f"{spec}) among sharded parameters: split it too, a dimension over the axis "
+                "the others are split over"
+            )
+
+
+def _is_spec(node) -> bool:
+    return isinstance(node, P)
+
+
+def _shard_struct(x, mesh: Mesh, spec: P) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of one device's shard of ``x`` placed with ``spec``."""
+    shape = NamedSharding(mesh, spec).shard_shape(jnp.shape(x))
+    return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
 
 
 def _devices_along(mesh: Mesh, axis_name: AxisName, name: str = "axis_name") -> int:
@@ -205,18 +264,20 @@ def _check_state(opt_state, one_device, mesh: Mesh, axes: dict[str, AxisName]) -
 
 
 def _check_slices(one_device, mesh: Mesh, axes: dict[str, AxisName]) -> None:
-    """Refuses residuals sharded over a node's devices (``inner_shards``) but split over fewer
-    axes than the batch: each device holds its own slice, so they split over every device."""
+    """Refuses residuals that differ between a node's devices (``inner_shards``) but split over
+    fewer axes than the batch: each device holds its own, so they split over every device."""
     states = jax.tree.leaves(one_device, is_leaf=lambda n: isinstance(n, CompressState))
     for state in states:
         if not isinstance(state, CompressState) or state.residual is None:
             continue
-        if residuals.form_of(state.residual) is not residuals.SLICES:
+        form = residuals.form_of(state.residual)
+        if not form.per_node_device:
             continue
         if _devices_along(mesh, axes[_RESIDUAL]) != _devices_along(mesh, axes[_ACCUMULATOR]):
+            shards = "params" if form is residuals.SHARDS else state.residual.cut.shards
             raise ValueError(
-                f"the compressor shares each node's residual between its devices "
-                f"(inner_shards={state.residual.cut.shards}), so its residual splits over every "
+                f"the compressor keeps a residual per device of a node "
+                f"(inner_shards={shards!r}), so its residual splits over every "
                 f"axis of the batch, {axes[_ACCUMULATOR]!r}, not over state_axis "
                 f"{axes[_RESIDUAL]!r} alone: pass state_axis={axes[_ACCUMULATOR]!r} and make the "
                 f"state with sidco.parallel.shard_init(tx, params, mesh, {axes[_ACCUMULATOR]!r})"
@@ -308,6 +369,105 @@ def per_device(params: Any, mesh: Mesh, axis_name: AxisName) -> Any:
     return place(stacked, mesh, P(axis_name))
 
 
+def _spec_axes(spec) -> list[tuple[int, tuple[str, ...]]]:
+    """``(dimension, axes)`` of every dimension a ``PartitionSpec`` splits."""
+    return [(d, a if isinstance(a, tuple) else (a,)) for d, a in enumerate(spec) if a is not None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(x, axes: tuple[str, ...], dim: int):
+    return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+
+
+def _gathered_fwd(x, axes, dim):
+    return _gathered(x, axes, dim), None
+
+
+def _gathered_bwd(axes, dim, _, cotangent):
+    scattered = jax.lax.psum_scatter(cotangent, axes, scatter_dimension=dim, tiled=True)
+    return (scattered / jax.lax.axis_size(axes),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def gather(params: Any, param_specs: Any) -> Any:
+    """The whole parameters from this device's shards, inside ``jax.shard_map``.
+
+    Each leaf is all-gathered over the mesh axes its spec names, along the
+    dimensions it names them at. Under ``jax.grad`` the gradient comes back
+    as this device's shard of the *mean* over those devices of their
+    gradients (a ``psum_scatter``, divided): FSDP's backward pass, ready for a
+    compressor built with ``inner_shards="params"``.
+
+    Args:
+      params: this device's shards of the parameters (the ``jax.shard_map``
+        body's view of parameters placed with ``param_specs``).
+      param_specs: a ``PartitionSpec`` per leaf of ``params`` (a prefix tree
+        of it also works), as given to ``jax.shard_map``.
+
+    Returns:
+      The parameters, whole on every device.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, sidco_jax as sidco
+      >>> mesh = jax.make_mesh((1,), ("local",), devices=jax.devices()[:1])
+      >>> w = sidco.parallel.place(np.arange(4.0), mesh, jax.P("local"))
+      >>> def loss(w):  # the model sees the whole parameters
+      ...     return jnp.sum(sidco.parallel.gather(w, jax.P("local")) ** 2)
+      >>> shard_grad = jax.shard_map(
+      ...     jax.grad(loss), mesh=mesh, in_specs=jax.P("local"), out_specs=jax.P("local"))
+      >>> shard_grad(w)
+      Array([0., 2., 4., 6.], dtype=float32)
+    """
+
+    def whole(spec, x):
+        for dim, axes in _spec_axes(spec):
+            x = _gathered(x, axes, dim)
+        return x
+
+    return _by_spec(whole, param_specs, params)
+
+
+def _by_spec(fn, specs, tree) -> Any:
+    """``fn(spec, leaf)`` for every leaf of ``tree``, ``specs`` a prefix tree of its specs."""
+
+    def subtree(spec, sub):
+        return jax.tree.map(lambda x: fn(spec, x), sub)
+
+    return jax.tree.map(subtree, specs, tree, is_leaf=_is_spec)
+
+
+def _local_step(loss, tx, axis_name: AxisName, local_params: bool, param_specs) -> Callable:
+    """One device's step of :func:`data_parallel_step`: gradient, update, new parameters."""
+    batch_axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+    def varying(spec, p):
+        # Parameters the same across devices would make the backward pass psum the gradient
+        # densely: they vary over every batch axis their shards do not already vary over.
+        held = {a for _, axes in _spec_axes(spec) for a in axes}
+        rest = tuple(a for a in batch_axes if a not in held)
+        return jax.lax.pcast(p, rest, to="varying") if rest else p
+
+    def whole_loss(params, batch):
+        return loss(params if param_specs is None else gather(params, param_specs), batch)
+
+    def step(params, opt_state, batch):
+        if local_params:
+            own = jax.tree.map(lambda p: p[0], params)
+            value, grads = jax.value_and_grad(loss)(own, batch)
+        else:
+            own = params
+            at = _by_spec(varying, P() if param_specs is None else param_specs, own)
+            value, grads = jax.value_and_grad(whole_loss)(at, batch)
+        updates, opt_state = tx.update(grads, opt_state, own)
+        own = optax.apply_updates(own, updates)
+        params = jax.tree.map(lambda p: p[None], own) if local_params else own
+        return params, opt_state, jax.lax.pmean(value, axis_name)
+
+    return step
+
+
 def data_parallel_step(
     loss: Callable[..., jax.Array],
     tx: optax.GradientTransformation,
@@ -318,6 +478,7 @@ def data_parallel_step(
     state_axis: AxisName | None = None,
     donate_state: bool = False,
     local_params: bool = False,
+    param_specs: Any = None,
 ) -> Callable:
     """The jitted data-parallel training step of ``loss`` under ``jax.shard_map``.
 
@@ -351,6 +512,13 @@ def data_parallel_step(
         device along a leading axis (:func:`per_device`), as
         :func:`sidco_jax.diloco` trains them; each device's gradient is taken
         at its own copy.
+      param_specs: how the parameters are sharded (a ``PartitionSpec`` per
+        leaf, or a prefix tree of them; default None: replicated). Each
+        device holds its shards, the loss sees them gathered (:func:`gather`)
+        and the compressor gets the gradient as this device's shard of the
+        mean over the devices holding the other shards: give it
+        ``inner_shards="params"`` over those axes (FSDP within a node), and
+        split the residuals over every axis of the batch (``state_axis``).
 
     Returns:
       ``step(params, opt_state, batch) -> (params, opt_state, loss)``, with
@@ -382,32 +550,28 @@ def data_parallel_step(
     state_axis = axis_name if state_axis is None else state_axis
     _devices_along(mesh, axis_name)
     _devices_along(mesh, state_axis, "state_axis")
-    specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name)
-
-    def step(params, opt_state, batch):
-        own = jax.tree.map(lambda p: p[0], params) if local_params else params
-        # Replicated parameters would make the backward pass psum the gradient densely.
-        varying = own if local_params else jax.lax.pcast(own, axis_name, to="varying")
-        value, grads = jax.value_and_grad(loss)(varying, batch)
-        updates, opt_state = tx.update(grads, opt_state, own)
-        own = optax.apply_updates(own, updates)
-        params = jax.tree.map(lambda p: p[None], own) if local_params else own
-        return params, opt_state, jax.lax.pmean(value, axis_name)
-
-    param_spec = P(axis_name) if local_params else P()
-    sharded = jax.shard_map(
-        step,
-        mesh=mesh,
-        in_specs=(param_spec, specs, P(axis_name)),
-        out_specs=(param_spec, specs, P()),
-    )
+    if local_params and param_specs is not None:
+        raise ValueError("local_params and param_specs do not go together: give one of them")
+    step = _local_step(loss, tx, axis_name, local_params, param_specs)
     axes = {_RESIDUAL: state_axis, _ACCUMULATOR: axis_name}
 
     def checked(params, opt_state, batch):
-        one = params
+        one, full, param_spec = params, None, P()
         if local_params:
             one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), params)
+            param_spec = P(axis_name)
+        elif param_specs is not None:
+            full = param_spec = _by_spec(lambda spec, _: spec, param_specs, params)
+            _check_all_sharded(params, full)
+            one = _by_spec(lambda spec, p: _shard_struct(p, mesh, spec), param_specs, params)
         _check_state(opt_state, jax.eval_shape(tx.init, one), mesh, axes)
+        specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name, param_specs=full)
+        sharded = jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(param_spec, specs, P(axis_name)),
+            out_specs=(param_spec, specs, P()),
+        )
         return sharded(params, opt_state, _split(batch, mesh, axis_name))
 
     return jax.jit(checked, donate_argnums=(1,) if donate_state else ())

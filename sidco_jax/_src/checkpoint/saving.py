@@ -313,11 +313,12 @@ def _check_residual(name: str, saved_shape: tuple, saved_device: tuple | None, t
 
 
 def _in_slices(tree) -> Any:
-    """A tree like ``tree`` with True at every leaf of a sharded hierarchy's residual."""
+    """A tree like ``tree`` with True at every leaf of a residual kept per device of a node
+    (``inner_shards``: the sharded hierarchy's slices, sharded parameters' shards)."""
 
     def mark(node):
         marks = jax.tree.map(lambda _: False, node)
-        if _is_state(node) and residuals.form_of(node.residual) is residuals.SLICES:
+        if _is_state(node) and residuals.form_of(node.residual).per_node_device:
             marks = marks._replace(residual=jax.tree.map(lambda _: True, node.residual))
         return marks
 
@@ -391,9 +392,21 @@ def _as_saved(target, saved, cuts: dict):
         held, cut = cuts[manifest.key(keys)]
         if held is form is residuals.TREE:
             return node  # each leaf is checked as read (_request)
+        if held is not form and (held.per_node_device or form.per_node_device):
+            raise ValueError(
+                f"{name} was saved in the {held.name!r} layout and the target's is "
+                f"{form.name!r}: a residual kept per device of a node (inner_shards) "
+                "converts to no other layout"
+            )
         want = form.cut(node.residual)
         cut = _per_device(cut, want) if held is residuals.TREE else cut
         moved = cut.moved(want)
+        if moved is not None and form is residuals.SHARDS:
+            raise ValueError(
+                f"{name} was saved for other shards of the parameters than the target's "
+                f"({moved}): a device's residual follows its shards, so restore onto nodes of "
+                "the saved size with the parameters sharded as saved"
+            )
         if moved is not None:
             raise ValueError(
                 f"{name} was saved for another model than the target's ({moved}): restore it "
@@ -401,18 +414,12 @@ def _as_saved(target, saved, cuts: dict):
             )
         if held is form and cut == want:
             return node
-        if held is form is residuals.SLICES:
+        if form.per_node_device:  # held is form
             raise ValueError(
-                f"{name} was saved as slices of other buckets than the target's "
-                f"({cut.difference(want)}): a residual sharded over a node's devices "
+                f"{name} was saved as {form.name} of other buckets than the target's "
+                f"({cut.difference(want)}): a residual kept per device of a node "
                 "(inner_shards) restores only into buckets cut as saved (the same bucket_bytes "
                 "and inner_shards)"
-            )
-        if residuals.SLICES in (held, form):
-            raise ValueError(
-                f"{name} was saved in the {held.name!r} layout and the target's is "
-                f"{form.name!r}: a residual sharded over a node's devices (inner_shards) "
-                "converts to no other layout"
             )
         shape = jax.tree.map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)),

@@ -8,6 +8,10 @@
 * :class:`Sharded` (``inner_axis`` and ``inner_shards``): each device
   compresses its own slice of the node's mean (:mod:`slices`) and keeps that
   slice's residual; the slices' updates are gathered back.
+* :class:`Owned` (``inner_axis`` and ``inner_shards="params"``): the
+  parameters are sharded over ``inner_axis`` (FSDP within a node), so the
+  gradient arrives as this device's shard of the node's mean; each device
+  compresses that shard, keeps its residual, and its update stays a shard.
 
 The loop calls the node's phases and never asks which it is.
 """
@@ -102,8 +106,29 @@ class Sharded(NamedTuple):
         return self.shards
 
 
-def choose(inner_axis: AxisName | None, shards: int | None):
+class Owned(NamedTuple):
+    """Each device compresses its shard of the parameters' gradient, which it already holds."""
+
+    inner_axis: AxisName
+
+    def pack(self, g, others, parts):
+        devices(self.inner_axis, "inner_axis")
+        return g, others
+
+    def agreed(self, axis_name):
+        return (*axis_names(axis_name), *axis_names(self.inner_axis))
+
+    spans, unpack = Alone.spans, Alone.unpack
+
+    @property
+    def copies(self) -> int:
+        return devices(self.inner_axis, "inner_axis")
+
+
+def choose(inner_axis: AxisName | None, shards: int | str | None):
     """The node for the loop's options."""
     if inner_axis is None:
         return ALONE
-    return Averaged(inner_axis) if shards is None else Sharded(inner_axis, shards)
+    if shards is None:
+        return Averaged(inner_axis)
+    return Owned(inner_axis) if shards == slices.PARAMS else Sharded(inner_axis, shards)

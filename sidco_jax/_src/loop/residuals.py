@@ -5,7 +5,9 @@ residual is stored in one of three forms, chosen once at ``init``:
 
 * ``"tree"``: a tree like the parameters (``layout="tree"``);
 * ``"buckets"``: :class:`Buckets`, one flat vector per bucket (``layout="buckets"``);
-* ``"slices"``: :class:`Slices`, this device's slice of each bucket (``inner_shards``).
+* ``"slices"``: :class:`Slices`, this device's slice of each bucket (``inner_shards``);
+* ``"shards"``: :class:`Shards`, buckets of this device's shard of the parameters
+  (``inner_shards="params"``).
 
 Each form is a :class:`Form`: it makes the zero residual, hands the loop the
 residual's parts, stores the new ones, checks a gradient against what
@@ -31,7 +33,7 @@ import numpy as np
 
 from sidco_jax._src.base import is_float
 from sidco_jax._src.loop import layout as layout_lib
-from sidco_jax._src.loop.slices import length
+from sidco_jax._src.loop.slices import PARAMS, length
 
 
 def names(keys) -> tuple[str, ...]:
@@ -156,16 +158,34 @@ class Slices:
     cut: Cut
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["shards"], meta_fields=["cut"])
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """A residual of parameters sharded over a node's devices (``inner_shards="params"``).
+
+    Attributes:
+      shards: one flat float32 (or wider) vector per bucket of this device's
+        shard of the parameters (its leaves as the device holds them).
+      cut: what the buckets were cut from: the shards' leaves (static).
+    """
+
+    shards: tuple[jax.Array, ...]
+    cut: Cut
+
+
 class Form:
     """How one form stores the residual: what the loop and the checkpoints call.
 
     Attributes:
-      name: ``"tree"``, ``"buckets"`` or ``"slices"``.
+      name: ``"tree"``, ``"buckets"``, ``"slices"`` or ``"shards"``.
       layout: the loop's layout of the parts (:func:`layout.plan`).
+      per_node_device: each device of a node holds other entries (``inner_shards``):
+        the residual splits over the node's axis too, and restores only as saved.
     """
 
     name: str
     layout: str
+    per_node_device: bool = False
 
     def empty(self, params, parts: Sequence[layout_lib.Part], shards: int):
         """The zero residual for ``params``, cut into ``parts``."""
@@ -291,25 +311,31 @@ class _Buckets(_Flat):
 
 
 class _Slices(_Flat):
-    name, kind = "slices", Slices
+    name, kind, per_node_device = "slices", Slices, True
 
 
-TREE, BUCKETS, SLICES = _Tree(), _Buckets(), _Slices()
-FORMS = {form.name: form for form in (TREE, BUCKETS, SLICES)}
+class _Shards(_Flat):
+    name, kind, per_node_device = "shards", Shards, True
+
+    def empty(self, params, parts, shards):  # each device's leaves are its own shards
+        return super().empty(params, parts, 1)
 
 
-def choose(layout: str, shards: int | None) -> Form:
+TREE, BUCKETS, SLICES, SHARDS = _Tree(), _Buckets(), _Slices(), _Shards()
+FORMS = {form.name: form for form in (TREE, BUCKETS, SLICES, SHARDS)}
+
+
+def choose(layout: str, shards: int | str | None) -> Form:
     """The form for a resolved ``layout`` (``"tree"``, ``"buckets"``) and ``inner_shards``."""
     if shards is not None:
-        return SLICES
+        return SHARDS if shards == PARAMS else SLICES
     return TREE if layout == "tree" else BUCKETS
 
 
 def form_of(residual) -> Form:
     """The form ``residual`` is stored in."""
-    if isinstance(residual, Slices):
-        return SLICES
-    return BUCKETS if isinstance(residual, Buckets) else TREE
+    kinds = {Slices: SLICES, Shards: SHARDS, Buckets: BUCKETS}
+    return kinds.get(type(residual), TREE)
 
 
 def convert(residual, params, layout: str, bucket_bytes: int = layout_lib.BUCKET_BYTES) -> Any:

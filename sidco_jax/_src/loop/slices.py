@@ -19,20 +19,29 @@ from jax import lax
 from sidco_jax._src.base import AxisName, check_integer, static
 from sidco_jax._src.loop import collectives
 
+PARAMS = "params"  # inner_shards: the gradient arrives sharded as the parameters are
 
-def check(inner_shards, inner_axis, layout: str) -> int | None:
+
+def check(inner_shards, inner_axis, layout: str) -> int | str | None:
     """Validates ``inner_shards`` at construction; returns it (None: not sharded)."""
     if inner_shards is None:
         return None
-    shards = check_integer("inner_shards", static("inner_shards", inner_shards), 1, None)
+    if isinstance(inner_shards, str):
+        if inner_shards != PARAMS:
+            raise TypeError(
+                f"inner_shards must be None, a positive int or {PARAMS!r}, got {inner_shards!r}"
+            )
+        shards = inner_shards
+    else:
+        shards = check_integer("inner_shards", static("inner_shards", inner_shards), 1, None)
     if inner_axis is None:
         raise ValueError(
-            f"inner_shards={shards} splits the node's vector over inner_axis, but inner_axis is "
+            f"inner_shards={shards!r} splits the node's work over inner_axis, but inner_axis is "
             "None: give the fast axis of the node's devices (inner_axis='local')"
         )
     if layout == "tree":
         raise ValueError(
-            f"inner_shards={shards} cuts the gradient into slices across its leaves, which the "
+            f"inner_shards={shards!r} keeps each device's residual in flat buckets, which the "
             "tree layout cannot hold: use layout='buckets' or 'auto'"
         )
     return shards

@@ -26,7 +26,7 @@ Each phase runs under a ``jax.named_scope`` of its name, so a profile
 ``python -m benchmarks.overhead phases`` reads them out of one.
 """
 
-from typing import NamedTuple, TypedDict, Unpack
+from typing import Literal, NamedTuple, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ class LoopOptions(TypedDict, total=False):
     axis_name: AxisName | None
     communication: Communication
     inner_axis: AxisName | None
-    inner_shards: int | None
+    inner_shards: int | Literal["params"] | None
     link: costs.Link | None
     warmup_steps: int
     layout: Layout
@@ -112,16 +112,17 @@ def _check_size(n: int) -> None:
         )
 
 
-def _check_layout(asked: str, residual, sharded: bool) -> residuals.Form:
+def _check_layout(asked: str, residual, expected: residuals.Form) -> residuals.Form:
     """The form ``residual`` is stored in, refused where the compressor asked for another."""
     form = residuals.form_of(residual)
-    if sharded != (form is residuals.SLICES):
-        raise ValueError(
-            f"the state holds a residual in the {form.name!r} layout, but this compressor "
-            + ("shards" if sharded else "does not shard")
-            + " it over inner_axis (inner_shards): take the state from its init"
-        )
-    if not sharded and asked != "auto" and asked != form.name:
+    if form.per_node_device or expected.per_node_device:
+        if form is not expected:
+            raise ValueError(
+                f"the state holds a residual in the {form.name!r} layout, but this compressor "
+                f"keeps it as {expected.name!r} (inner_shards): take the state from its init"
+            )
+        return form
+    if asked != "auto" and asked != form.name:
         raise ValueError(
             f"the state holds a residual in the {form.name!r} layout, but this compressor was "
             f"built with layout={asked!r}: take the state from its init (sidco.restore converts "
@@ -182,7 +183,7 @@ def sparsifier(
     axis_name: AxisName | None = None,
     communication: Communication = "auto",
     inner_axis: AxisName | None = None,
-    inner_shards: int | None = None,
+    inner_shards: int | Literal["params"] | None = None,
     link: costs.Link | None = None,
     warmup_steps: int = 0,
     layout: Layout = "auto",
@@ -244,7 +245,13 @@ def sparsifier(
         puts the update back together. Each device keeps the residual of
         its slice (one flat slice per bucket), so shard it over both
         axes (``state_specs(state, (axis_name, inner_axis))``). Needs the
-        bucketed layout (``"auto"`` takes it).
+        bucketed layout (``"auto"`` takes it). ``"params"``: the parameters
+        themselves are sharded over ``inner_axis`` (FSDP within a node), so
+        the gradient arrives as this device's shard of the node's mean (see
+        :func:`sidco_jax.parallel.gather`); each device compresses that shard
+        over ``axis_name`` and its update is that shard, in the parameters'
+        own sharding. The residual, one per device, is split over both axes
+        like the slices' (docs/distributed.md, "Sharded parameters").
       link: a :class:`~sidco_jax.costs.Link` (latency, bandwidth) of
         ``axis_name`` for ``"auto"``; default ``Link()`` (5 us, 100 Gbit/s).
       warmup_steps: the first ``warmup_steps`` steps send the dense mean of
@@ -324,7 +331,7 @@ class Options(NamedTuple):
     axis_name: AxisName | None
     communication: str
     inner_axis: AxisName | None
-    inner_shards: int | None
+    inner_shards: int | Literal["params"] | None
     link: costs.Link
     warmup_steps: int | jax.Array
     layout: str
@@ -443,7 +450,7 @@ def _init(rule: Rule, o: Options, params) -> CompressState:
     floats = [leaf for leaf in jax.tree.leaves(params) if is_float(leaf)]
     n = sum(int(np.prod(jnp.shape(leaf))) for leaf in floats)
     _check_size(n)
-    if o.inner_shards is not None:
+    if isinstance(o.inner_shards, int):
         slices.check_size(n, o.inner_shards)
     zero = jnp.zeros((), jnp.int32)
     eta = jnp.zeros((len(floats),) if o.granularity == "leaf" else (), jnp.float32)
@@ -451,7 +458,7 @@ def _init(rule: Rule, o: Options, params) -> CompressState:
     if o.error_feedback:
         form = residuals.choose(layout_lib.resolve(o.layout, params), o.inner_shards)
         parts = layout_lib.plan(floats, form.layout, o.bucket_bytes, o.granularity == "leaf")
-        residual = form.empty(params, parts, o.inner_shards or 1)
+        residual = form.empty(params, parts, o.inner_shards if form is residuals.SLICES else 1)
     return CompressState(
         residual=residual,
         count=zero,
@@ -465,7 +472,7 @@ def _form_and_parts(o: Options, residual, updates, grads):
     _check_size(sum(g.size for g in grads))
     form = residuals.choose(layout_lib.resolve(o.layout, grads), o.inner_shards)
     if o.error_feedback:
-        form = _check_layout(o.layout, residual, o.inner_shards is not None)
+        form = _check_layout(o.layout, residual, form)
     parts = layout_lib.plan(grads, form.layout, o.bucket_bytes, o.granularity == "leaf")
     if o.error_feedback:
         form.check(residual, updates, parts)
@@ -481,13 +488,18 @@ def _select(rule: Rule, o: Options, node, fed, rule_state, key, parts, grads):
 
 
 def _dense_mean(options: LoopOptions) -> optax.GradientTransformationExtraArgs:
-    """The loop with a rule that sends everything: the plain mean over the axes, no residual."""
+    """The loop with a rule that sends everything: the plain mean over the axes, no residual.
+
+    A device holding its shard of the parameters' gradient keeps to it; one holding the
+    node's whole gradient (or a slice of it) takes the node's mean whole.
+    """
+    owned = options["inner_shards"] == slices.PARAMS
     dense = {
         **options,
         "granularity": "model",
         "error_feedback": False,
         "communication": "dense",
-        "inner_shards": None,
+        "inner_shards": slices.PARAMS if owned else None,
         "warmup_steps": 0,
         "values": "float32",
         "indices": "int32",

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from sidco_jax._src.base import check_integer, check_transformation
+from sidco_jax._src.base import check_integer, check_transformation, zeros_as
 from sidco_jax._src.loop import memo
 from sidco_jax._src.loop.eager import compiled_when_eager
 
@@ -121,8 +121,7 @@ def accumulate(
             return out, inner, jax.tree.map(jnp.zeros_like, mean)
 
         def hold(_):
-            shapes = jax.eval_shape(step, None)[0]
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zeros = jax.tree.map(zeros_as, jax.eval_shape(step, None)[0])
             return zeros, state.inner, running_mean()
 
         boundary = state.mini_step == every_k - 1
