@@ -7,14 +7,20 @@ Compiles SIDCo-E's update under ``jax.shard_map`` on forced CPU meshes of
 - replicated: ``axis_name="node", inner_axis="local"``: the node's dense mean,
   then ``"sparse"`` across the nodes, every device compressing the whole mean;
 - sharded: the same with ``inner_shards``: a ``psum_scatter`` over the node,
-  each device compressing its slice, an ``all_gather`` over the node after.
+  each device compressing its slice, an ``all_gather`` over the node after;
+- params: ``inner_shards="params"``, the parameters themselves sharded over
+  the node (each leaf along its largest dimension that splits evenly): the
+  ``psum_scatter`` of FSDP's backward pass, each device compressing its
+  shards, no ``all_gather`` in the update (the next forward pass gathers the
+  parameters instead).
 
 From the compiled HLO it reads the collectives of each axis, the slow one
 (groups of a node's peers across the nodes, or the whole mesh for the flat
 modes) and the fast one (a node's devices), and counts the bytes one device
 receives in each as a ring moves them (:func:`received`); the step's agreed
 figures (a few scalars) are left out. The residual
-per device is the size of one device's state. ``--time`` also times the
+per device is the size of one device's; the state per device adds the
+parameters and Adam's two moments as each variant holds them. ``--time`` also times the
 update on each mesh, replicated and sharded interleaved, on the same gradients.
 
     python -m benchmarks.hierarchy --trees flat gpt2 --ratios 0.01 0.001
@@ -43,7 +49,7 @@ FIGURES = 64  # bytes: collectives this small carry the step's agreed figures
 SHAPES = {"flat": lambda: [(2**22,)], **trees.TREES}
 MESHES = ((2, 4), (4, 2))
 BOTH = ("node", "local")
-VARIANTS = ("flat sparse", "flat sparse_allreduce", "replicated", "sharded")
+VARIANTS = ("flat sparse", "flat sparse_allreduce", "replicated", "sharded", "params")
 
 
 def compressor(variant: str, ratio: float, local: int):
@@ -52,29 +58,68 @@ def compressor(variant: str, ratio: float, local: int):
         mode = variant.split()[1]
         return sidco.compress(ratio, axis_name=BOTH, communication=mode, layout="buckets"), BOTH
     options = {"axis_name": "node", "inner_axis": "local", "communication": "sparse"}
-    if variant == "sharded":
-        return sidco.compress(ratio, inner_shards=local, **options), BOTH
+    if variant in ("sharded", "params"):
+        shards = local if variant == "sharded" else "params"
+        return sidco.compress(ratio, inner_shards=shards, **options), BOTH
     return sidco.compress(ratio, layout="buckets", **options), "node"
 
 
-def step_of(tx, mesh, axes, shapes):
-    """The jitted update under ``shard_map``, the state's shapes, the gradients' shapes."""
-    params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    init = functools.partial(sidco.parallel.shard_init, tx, mesh=mesh, axis_name=axes)
+def param_specs(variant: str, shapes, local: int) -> list:
+    """Replicated parameters, or (``"params"``) each leaf split over the node's devices along
+    its largest dimension of a multiple of ``local`` entries."""
+    if variant != "params":
+        return [jax.P()] * len(shapes)
+    specs = []
+    for shape in shapes:
+        even = [d for d in range(len(shape)) if shape[d] % local == 0]
+        if not even:
+            raise ValueError(f"a leaf of shape {shape} has no dimension {local} devices split")
+        at = max(even, key=lambda d: shape[d])
+        specs.append(jax.P(*[None] * at, "local"))
+    return specs
+
+
+def step_of(tx, mesh, axes, shapes, specs):
+    """The jitted update under ``shard_map``, the state's shapes, the gradients' shapes.
+
+    Each device's gradient reaches the compressor as the parameters are held: whole, or
+    (sharded parameters) its shard of the node's mean, through FSDP's backward pass.
+    """
+    params = [
+        jax.ShapeDtypeStruct(s, jnp.float32, sharding=jax.NamedSharding(mesh, p))
+        for s, p in zip(shapes, specs, strict=True)
+    ]
+    init = functools.partial(
+        sidco.parallel.shard_init, tx, mesh=mesh, axis_name=axes, param_specs=specs
+    )
     state = jax.eval_shape(init, params)
-    specs = sidco.parallel.state_specs(state, axes)
+    out_specs = sidco.parallel.state_specs(state, axes)
+    owned = any(s != jax.P() for s in specs)
 
     @jax.jit
     @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(specs, jax.P(BOTH)), out_specs=(jax.P(), specs)
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(specs, out_specs, jax.P(BOTH)),
+        out_specs=(specs, out_specs),
     )
-    def step(state, grads):
-        return tx.update([g[0] for g in grads], state)
+    def step(params, state, grads):
+        grads = [g[0] for g in grads]
+        if owned:  # the transpose of gathering the parameters: the node's mean, scattered
+            at = jax.lax.pcast(params, "node", to="varying")
+            grads = jax.vjp(lambda p: sidco.parallel.gather(p, specs), at)[1](grads)[0]
+        return tx.update(grads, state, params)
 
     devices = mesh.devices.size
     split = jax.NamedSharding(mesh, jax.P(BOTH))
     grads = [jax.ShapeDtypeStruct((devices, *s), jnp.float32, sharding=split) for s in shapes]
-    return step, state, grads
+    return step, params, state, grads
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of one device's piece of every leaf of ``tree`` (global arrays or their shapes)."""
+    leaves = jax.tree.leaves(tree)
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
 def received(c: sidco.hlo.Collective) -> float:
@@ -88,8 +133,9 @@ def measured_bytes(variant: str, nodes: int, local: int, shapes, ratio: float) -
     """Operand bytes per device on each axis, from the HLO, and the residual per device."""
     mesh = jax.make_mesh((nodes, local), BOTH, devices=jax.devices()[: nodes * local])
     tx, axes = compressor(variant, ratio, local)
-    step, state, grads = step_of(tx, mesh, axes, shapes)
-    found = sidco.hlo.collectives(step.lower(state, grads).compile())
+    specs = param_specs(variant, shapes, local)
+    step, params, state, grads = step_of(tx, mesh, axes, shapes, specs)
+    found = sidco.hlo.collectives(step.lower(params, state, grads).compile())
     slow, fast = 0, 0
     for c in found:
         if c.result_bytes <= FIGURES:
@@ -98,12 +144,14 @@ def measured_bytes(variant: str, nodes: int, local: int, shapes, ratio: float) -
             fast += received(c)
         else:
             slow += received(c)
-    copies = nodes * local if axes == BOTH else nodes
-    residual = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.residual))
+    residual = per_device_bytes(state.residual)
     return {
         "slow_bytes": round(slow),
         "fast_bytes": round(fast),
-        "residual_bytes": residual // copies,
+        "residual_bytes": residual,
+        # Parameters and Adam's two moments, held as the parameters are (state_specs with
+        # param_specs shards the moments with them), and the residual.
+        "state_bytes": residual + 3 * per_device_bytes(params),
     }
 
 
@@ -121,18 +169,24 @@ def bytes_rows(tree_names, ratios) -> list[dict]:
 
 
 def time_rows(tree_names, ratios, rounds: int) -> list[dict]:
-    """The update's time, replicated and sharded interleaved, on the same gradients."""
+    """The update's time, replicated, sharded and on sharded parameters, interleaved, on the
+    same gradients."""
     out = []
     for name, ratio, (nodes, local) in itertools.product(tree_names, ratios, MESHES):
         shapes = SHAPES[name]()
         mesh = jax.make_mesh((nodes, local), BOTH, devices=jax.devices()[: nodes * local])
         fns, args = {}, {}
-        for variant in ("replicated", "sharded"):
+        for variant in ("replicated", "sharded", "params"):
             tx, axes = compressor(variant, ratio, local)
-            step, _, grads = step_of(tx, mesh, axes, shapes)
-            params = [jnp.zeros(s, jnp.float32) for s in shapes]
-            state = sidco.parallel.shard_init(tx, params, mesh, axes)
-            fns[variant], args[variant] = step, state
+            specs = param_specs(variant, shapes, local)
+            step, _, _ = step_of(tx, mesh, axes, shapes, specs)
+            params = sidco.parallel.place([np.zeros(s, np.float32) for s in shapes], mesh)
+            params = [
+                jax.reshard(p, jax.NamedSharding(mesh, q))
+                for p, q in zip(params, specs, strict=True)
+            ]
+            state = sidco.parallel.shard_init(tx, params, mesh, axes, specs)
+            fns[variant], args[variant] = functools.partial(step, params), state
         one = trees.gradient(shapes)
         split = jax.NamedSharding(mesh, jax.P(BOTH))
         grads = [
@@ -149,13 +203,15 @@ def time_rows(tree_names, ratios, rounds: int) -> list[dict]:
 
 def table(found: list[dict]) -> str:
     lines = [
-        "| tree | ratio | mesh | aggregation | slow axis, bytes | fast axis, bytes | residual |",
-        "|---|---:|---|---|---:|---:|---:|",
+        "| tree | ratio | mesh | aggregation | slow axis, bytes | fast axis, bytes | residual "
+        "| state |",
+        "|---|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in found:
         lines.append(
             f"| {r['tree']} | {r['ratio']} | {r['mesh']} | {r['variant']} | "
-            f"{r['slow_bytes']:,} | {r['fast_bytes']:,} | {r['residual_bytes']:,} |"
+            f"{r['slow_bytes']:,} | {r['fast_bytes']:,} | {r['residual_bytes']:,} "
+            f"| {r['state_bytes']:,} |"
         )
     return "\n".join(lines)
 

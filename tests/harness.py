@@ -213,7 +213,7 @@ def train_least_squares(
     per_device: int = 16,
     features: int = 256,
     hierarchical: bool = False,
-    sharded: bool = False,
+    sharded: bool | str = False,
 ):
     """Data-parallel least squares over every device of every process (``jax.devices()``).
 
@@ -221,14 +221,16 @@ def train_least_squares(
     come from a fixed seed and each process supplies only its devices' rows.
     ``hierarchical`` runs on a 2 x (devices / 2) mesh: the gradient averaged
     densely over ``"local"`` and compressed over ``"node"``; ``sharded`` too,
-    each device of a node compressing its slice (``inner_shards``).
+    each device of a node compressing its slice (``inner_shards``), or with
+    ``sharded="params"`` its shard of the weights, split over ``"local"``.
 
     Returns:
       The final weights and the compressor's metrics, as NumPy values.
     """
     params, state = least_squares_state(steps, ratio, per_device, features, hierarchical, sharded)
     metrics = {k: np.asarray(v.addressable_data(0)) for k, v in sidco.metrics(state).items()}
-    return np.asarray(params.addressable_data(0)), metrics
+    whole = jax.jit(lambda p: p, out_shardings=NamedSharding(params.sharding.mesh, P()))(params)
+    return np.asarray(whole.addressable_data(0)), metrics
 
 
 def least_squares_state(
@@ -237,15 +239,17 @@ def least_squares_state(
     per_device: int = 16,
     features: int = 256,
     hierarchical: bool = False,
-    sharded: bool = False,
+    sharded: bool | str = False,
 ):
     """The global ``(params, opt_state)`` of :func:`train_least_squares` after ``steps``."""
     devices = jax.device_count()
+    specs = None
     if hierarchical:
         mesh = jax.make_mesh((2, devices // 2), ("node", "local"))
         data_axes = ("node", "local")
         axis = data_axes if sharded else "node"
-        shards = devices // 2 if sharded else None
+        shards = sharded if sharded == "params" else devices // 2 if sharded else None
+        specs = P("local") if sharded == "params" else None
         compressor = sidco.compress(
             ratio, axis_name="node", inner_axis="local", inner_shards=shards
         )
@@ -258,15 +262,17 @@ def least_squares_state(
     y = (x @ data.normal(size=features) + 0.1 * data.normal(size=len(x))).astype(np.float32)
 
     x, y = sidco.parallel.place((x, y), mesh, P(data_axes))
-    params = sidco.parallel.place(np.zeros(features, np.float32), mesh)
+    params = sidco.parallel.place(np.zeros(features, np.float32), mesh, specs)
     tx = optax.chain(compressor, optax.sgd(0.05))
-    state = sidco.parallel.shard_init(tx, params, mesh, axis)
+    state = sidco.parallel.shard_init(tx, params, mesh, axis, specs)
 
     def loss(w, batch):
         x, y = batch
         return jnp.mean((x @ w - y) ** 2)
 
-    step = sidco.parallel.data_parallel_step(loss, tx, state, mesh, data_axes, state_axis=axis)
+    step = sidco.parallel.data_parallel_step(
+        loss, tx, state, mesh, data_axes, state_axis=axis, param_specs=specs
+    )
 
     for _ in range(steps):
         params, state, _ = step(params, state, (x, y))

@@ -5,8 +5,9 @@ Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING [HIE
 ``jax.distributed`` job on localhost with gloo CPU collectives, trains
 ``harness.train_least_squares`` over every process's devices and writes the
 result to ``OUT`` (process 0). Process ``DYING``, if given (-1: none), exits
-abruptly after joining, as a crashed worker would. ``HIERARCHICAL`` (0 or 1)
-trains on a node x local mesh, one node per process. ``CHECKPOINT`` (0 or 1)
+abruptly after joining, as a crashed worker would. ``HIERARCHICAL`` (0 to 3)
+trains on a node x local mesh, one node per process: 1 replicated, 2 with
+``inner_shards``, 3 with the weights sharded over the node (``"params"``). ``CHECKPOINT`` (0 or 1)
 saves and restores the training state instead (:func:`check_checkpoints`).
 """
 
@@ -86,9 +87,8 @@ def main(
         check_checkpoints(process_id, out)
         jax.distributed.shutdown()
         return
-    params, metrics = train_least_squares(
-        STEPS, hierarchical=bool(hierarchical), sharded=hierarchical == 2
-    )
+    sharded = {2: True, 3: "params"}.get(hierarchical, False)
+    params, metrics = train_least_squares(STEPS, hierarchical=bool(hierarchical), sharded=sharded)
     if process_id == 0:
         np.savez(out, params=params, **metrics)
     jax.distributed.shutdown()

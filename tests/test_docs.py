@@ -13,11 +13,13 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 @pytest.mark.slow
 def test_multi_device_page_runs(capsys):
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / "distributed.md").read_text(), flags=re.S)
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     namespace = {}
     for block in blocks:
         exec(block, namespace)
-    density, shape, message = capsys.readouterr().out.split("\n")[:3]
+    printed = capsys.readouterr().out.split("\n")
+    density, shape, message = printed[:3]
+    assert printed[3] == "P('local', None) 1.0"  # sharded parameters: the loss at zero weights
     assert 0.005 < float(density) < 0.02  # ratio 0.01, averaged over devices
     assert shape == "(8, 100)"
     assert float(message) == 3 * 8  # hierarchical: a quarter of 1000 entries, 3 slots, "sparse"

@@ -75,11 +75,11 @@ def test_two_processes_of_four_devices_train_like_one_process_of_eight(tmp_path)
     assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [False, True, "params"])
 def test_hierarchical_over_two_processes_equals_one_process_of_eight(tmp_path, sharded):
     # One node per process: dense over its 4 devices (or reduce-scattered over them, each
-    # compressing its slice), compressed across the 2 processes.
-    results = launch(tmp_path / "out.npz", 2, 4, -1, 2 if sharded else 1)
+    # compressing its slice, or its shard of the weights), compressed across the 2 processes.
+    results = launch(tmp_path / "out.npz", 2, 4, -1, {False: 1, True: 2, "params": 3}[sharded])
     for code, output, _ in results:
         assert code == 0, output[-3000:]
     with np.load(tmp_path / "out.npz") as archive:

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import SHAPES, gradient_stream, one_of_each_kind, params_tree, run_on_mesh
+from harness import (
+    SHAPES,
+    gradient_stream,
+    one_of_each_kind,
+    params_tree,
+    require_libtpu,
+    run_on_mesh,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -264,3 +271,52 @@ def test_a_leaf_left_whole_among_sharded_parameters_is_refused():
     )
     with pytest.raises(ValueError, match=r"params\['b'\] is whole on every device"):
         step(params, state, np.zeros((8, 48), np.float32))
+
+
+def _two_slices_step(tx, mesh, specs, n: int):
+    """The hybrid step compiled for two TPU slices: FSDP's backward pass over a slice's chips,
+    ``tx`` and the update applied; parameters ``(n // 256, 256)`` placed with ``specs``."""
+    both = ("slice", "chip")
+    shape = (n // 256, 256)
+    params = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, specs))
+    init = functools.partial(sidco.parallel.shard_init, tx, mesh=mesh, axis_name=both)
+    state = jax.eval_shape(functools.partial(init, param_specs=specs), params)
+    state_specs = sidco.parallel.state_specs(state, both)
+    grads = jax.ShapeDtypeStruct((8, *shape), jnp.float32, sharding=NamedSharding(mesh, P(both)))
+
+    def step(params, state, grads):
+        # Varying over the batch's axes, those the parameters are not already split over.
+        at = jax.lax.pcast(params, "slice" if specs != P() else both, to="varying")
+        gather = jax.vjp(lambda p: sidco.parallel.gather(p, specs), at)[1]
+        update, state = tx.update(gather(grads[0])[0], state, params)
+        return optax.apply_updates(params, update), state
+
+    sharded = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, state_specs, P(both)), out_specs=(specs, state_specs)
+    )
+    return jax.jit(sharded).trace(params, state, grads).lower().compile()
+
+
+def test_only_the_compressed_message_crosses_tpu_slices_and_the_state_is_a_quarter():
+    # Two v5e:2x2 slices, the parameters split over a slice's chips: what crosses the
+    # data-center network is each chip's compressed shard, as with inner_shards=4, and the
+    # compiled program holds a quarter of the parameters per chip.
+    require_libtpu()
+    from benchmarks import accelerator
+
+    mesh, n = accelerator.two_slices_mesh(), 2**16
+    options = {"axis_name": "slice", "inner_axis": "chip", "indices": "chunked"}
+    owned = _two_slices_step(
+        sidco.compress(0.01, inner_shards="params", **options), mesh, P("chip"), n
+    )
+    sliced = _two_slices_step(sidco.compress(0.01, inner_shards=4, **options), mesh, P(), n)
+    across = [c for c in sidco.hlo.collectives(owned) if c.between_slices]
+    capacity = sidco.capacity(n // 4, 0.01)
+    assert [c.operand_bytes for c in across if c.kind == "all-gather"] == [2 * capacity]
+    assert all(c.operand_bytes <= 4096 for c in across), [tuple(c) for c in across]
+    wire = sidco.costs.Codec("float32", "chunked")
+    assert sum(c.operand_bytes for c in across) >= sidco.costs.message_bytes(
+        "sparse", n // 4, capacity, 2, wire
+    )
+    replicated = sliced.memory_analysis().argument_size_in_bytes
+    assert replicated - owned.memory_analysis().argument_size_in_bytes == 4 * (n - n // 4)
