@@ -234,6 +234,8 @@ def test_the_bundled_text_is_english_prose_shipped_offline():
         (cnn_main, ["--dataset", "mnist", "--data-dir", "/nowhere"], "/nowhere: no such dir"),
         (lm_main, ["--text", "/nowhere.txt"], "--text /nowhere.txt: no such file"),
         (lm_main, ["--values", "int4"], "--values: invalid choice: 'int4' (choose from"),
+        (lm_main, ["--shard-params"], "--shard-params shards over a node's devices: give --nodes"),
+        (lm_main, ["--model", "transformer", "--heads", "3"], "--embed 64 must be a multiple"),
     ],
 )
 def test_command_line_mistakes_end_in_usage_errors(main, argv, message, capsys):

@@ -71,7 +71,11 @@ def table(histories: list[History], metric: str, ratio: float, held_out: str = "
             f"| {h.compressor} | {h.evals[-1]:.4f} | {np.mean(tail):.4f} | {achieved} "
             f"| {h.bytes_per_step:,} | {versus} | {h.seconds_per_step:.3f} |"
         )
-    lines.append(f"\nratio {ratio}; {histories[0].parameters:,} parameters\n")
+    state = ", ".join(f"{h.compressor} {h.state_bytes / 2**20:.2f} MiB" for h in histories)
+    lines.append(
+        f"\nratio {ratio}; {histories[0].parameters:,} parameters; held per device (parameters "
+        f"and optimizer state, residual included): {state}\n"
+    )
     lines.append(LEGEND.format(held_out=held_out, metric=metric))
     return "\n".join(lines)
 

@@ -31,16 +31,36 @@ def mesh(devices: int, nodes: int = 1) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, (NODE, LOCAL), devices=jax.devices()[:devices])
 
 
-def compressor_axes(mesh: jax.sharding.Mesh) -> dict:
+def compressor_axes(mesh: jax.sharding.Mesh, shard_params: bool = False) -> dict:
     """The compressor's axis options on ``mesh``: the mean over every device of it.
 
     On a mesh of nodes the devices of a node average densely over their fast
     links and share the compression, each compressing its slice of the node's
-    mean (``inner_shards``); only the compressed messages cross the nodes.
+    mean (``inner_shards``), or with ``shard_params`` its shard of the
+    parameters (``inner_shards="params"``); only the compressed messages cross
+    the nodes.
     """
     if mesh.axis_names == (AXIS,):
         return {"axis_name": AXIS}
-    return {"axis_name": NODE, "inner_axis": LOCAL, "inner_shards": mesh.shape[LOCAL]}
+    shards = "params" if shard_params else mesh.shape[LOCAL]
+    return {"axis_name": NODE, "inner_axis": LOCAL, "inner_shards": shards}
+
+
+def param_specs(params, mesh: jax.sharding.Mesh):
+    """Each parameter split over a node's devices along its largest dimension that they
+    divide evenly (FSDP within a node), as a tree of ``PartitionSpec`` like ``params``."""
+    devices = mesh.shape[LOCAL]
+
+    def spec(path, x):
+        shape = np.shape(x)
+        even = [d for d, size in enumerate(shape) if size % devices == 0]
+        if not even:
+            name = jax.tree_util.keystr(path)
+            raise ValueError(f"parameter {name} of shape {shape} has no dimension {devices} divide")
+        at = max(even, key=lambda d: shape[d])
+        return jax.P(*[None] * at, LOCAL)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def compile_step(step: Callable, mesh: jax.sharding.Mesh, *args) -> tuple[Callable, int]:
@@ -82,5 +102,14 @@ def first_residual(opt_state) -> np.ndarray | None:
 
 
 def replicated_value(x) -> np.ndarray:
-    """A replicated global array as NumPy (works in every process)."""
+    """A global array, whole, as NumPy (works in every process): a replicated one as it is,
+    a sharded one gathered first."""
+    if not x.sharding.is_fully_replicated:
+        whole = jax.sharding.NamedSharding(x.sharding.mesh, jax.P())
+        x = jax.jit(lambda v: v, out_shardings=whole)(x)
     return np.asarray(x.addressable_data(0))
+
+
+def device_bytes(tree) -> int:
+    """Bytes the first device holds of every global array of ``tree``."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))

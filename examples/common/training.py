@@ -58,6 +58,7 @@ class History:
     seconds_per_step: float = 0.0
     bytes_per_step: int = 0
     parameters: int = 0
+    state_bytes: int = 0  # a device's parameters and optimizer state (the residual included)
 
 
 def create_optimizer(
@@ -135,6 +136,7 @@ class Run:
         self.history.bytes_per_step = sent // max(self.config.outer_every, 1)  # an exchange's share
         # With outer steps each device holds its own copy: count one.
         self.history.parameters = sum(int(np.size(x)) for x in jax.tree.leaves(self._host(params)))
+        self.history.state_bytes = parallel.device_bytes((params, opt_state))
         return compiled
 
     def resume(self, params, opt_state):

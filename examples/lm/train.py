@@ -1,8 +1,11 @@
-"""Character-level LSTM language model, data-parallel, with one sidco_jax compressor.
+"""Character-level language model, data-parallel, with one sidco_jax compressor.
 
-``train_and_evaluate(config, workdir, compressor)`` trains ``models.LSTM`` on
-the text of ``input_pipeline.py`` and reports validation perplexity (per
-character). Its step is the library's,
+``train_and_evaluate(config, workdir, compressor)`` trains ``models.LSTM`` (or,
+with ``--model transformer``, ``models.Transformer``) on the text of
+``input_pipeline.py`` and reports validation perplexity (per character).
+With ``--shard-params`` on a mesh of nodes the parameters and the optimizer
+state are sharded over each node's devices (FSDP within a node) and each
+device compresses its shard across the nodes. Its step is the library's,
 :func:`sidco_jax.parallel.data_parallel_step`: each device takes the gradient
 of its own shard of the batch, and the compressor, first in the optax chain,
 sends the entries that matter and averages them over the devices
@@ -31,7 +34,11 @@ def create_task(config) -> training.Task:
     vocab = len(text.vocab)
 
     def build(seed):
-        return models.LSTM(vocab, config.embed, config.hidden, config.layers, rngs=nnx.Rngs(seed))
+        rngs = nnx.Rngs(seed)
+        if config.model == "transformer":
+            width, heads, sequence = config.embed, config.heads, config.sequence
+            return models.Transformer(vocab, width, heads, config.layers, sequence, rngs=rngs)
+        return models.LSTM(vocab, config.embed, config.hidden, config.layers, rngs=rngs)
 
     # Only the parameters are trained (and compressed); the rest (RNG state) is constant.
     graphdef, _, rest = nnx.split(build(0), nnx.Param, ...)
@@ -75,17 +82,28 @@ def train_and_evaluate(
     """
     task = create_task(config) if task is None else task
     mesh = parallel.mesh(config.devices, config.nodes)
-    axes = parallel.compressor_axes(mesh)  # with --nodes: compressed across the nodes only
+    # With --nodes: compressed across the nodes only; with --shard-params each device holds
+    # and compresses its shard of the parameters (None: every device holds them whole).
+    axes = parallel.compressor_axes(mesh, config.shard_params)
+    params = task.init(config.seed)
+    specs = parallel.param_specs(params, mesh) if config.shard_params else None
     tx = training.create_optimizer(config, compressor, **axes, **(options or {}))
-    params = sidco.parallel.place(task.init(config.seed), mesh)  # replicated on every device
-    opt_state = sidco.parallel.shard_init(tx, params, mesh, mesh.axis_names)  # residual per device
+    params = sidco.parallel.place(params, mesh, specs)
+    opt_state = sidco.parallel.shard_init(tx, params, mesh, mesh.axis_names, specs)
     local = bool(config.outer_every)  # outer steps: each device trains its own copy
     if local:
         params = sidco.parallel.per_device(task.init(config.seed), mesh, mesh.axis_names)
     # The library's step: each device's gradient of its shard of the batch, then the
     # compressor's update (averaged over the mesh) and SGD; the state is updated in place.
     train_step = sidco.parallel.data_parallel_step(
-        task.loss, tx, opt_state, mesh, mesh.axis_names, local_params=local, donate_state=True
+        task.loss,
+        tx,
+        opt_state,
+        mesh,
+        mesh.axis_names,
+        local_params=local,
+        param_specs=specs,
+        donate_state=True,
     )
 
     run = training.Run(config, task, compressor, mesh, workdir)

@@ -25,3 +25,19 @@ def test_tiny_config_trains_on_a_text_file_and_reports_validation_perplexity(tmp
     assert (tmp_path / "perplexity.png").is_file()
     with np.load(tmp_path / "gradients_sidco-e.npz") as captured:
         assert captured["grad_step2"].size == histories[0].parameters
+
+
+@pytest.mark.slow
+def test_a_tiny_transformer_holds_a_quarter_of_its_state_with_sharded_parameters(tmp_path):
+    tiny = ["--config", "tiny", "--model", "transformer", "--embed", "16", "--heads", "2"]
+    tiny += ["--nodes", "2", "--capture-steps", "--text", str(ENGLISH)]
+    sharded = main.main([*tiny, "--shard-params", "--workdir", str(tmp_path / "sharded")])
+    whole = main.main([*tiny, "--workdir", str(tmp_path / "whole")])
+    vocab = len(set(ENGLISH.read_text(encoding="utf-8")[:20_000]))
+    for h in sharded:
+        assert 1.0 < h.evals[0] < 2 * vocab
+    # Parameters and momentum a quarter each; SIDCo's residual is a quarter with or without.
+    for mine, theirs in zip(sharded, whole, strict=True):
+        assert mine.parameters == theirs.parameters
+        assert mine.state_bytes < 0.4 * theirs.state_bytes, (mine.compressor, mine, theirs)
+    assert sharded[0].bytes_per_step < sharded[1].bytes_per_step / 5

@@ -308,7 +308,7 @@ def _split(batch: Any, mesh: Mesh, axis_name: AxisName) -> Any:
     return jax.tree.map(lambda leaf: jax.reshard(leaf, sharding), batch)
 
 
-def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
+def place(tree: Any, mesh: Mesh, spec: Any = None) -> Any:
     """Host arrays as global arrays on ``mesh`` with partition ``spec``.
 
     Every process passes the same whole (global) host arrays and supplies the
@@ -320,7 +320,9 @@ def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
       tree: a pytree of host (NumPy) or device arrays, the global values.
       mesh: the device mesh.
       spec: how every leaf is partitioned (default None: ``P()``, replicated);
-        ``P(axis_name)`` splits each leaf's leading axis over ``axis_name``.
+        ``P(axis_name)`` splits each leaf's leading axis over ``axis_name``. A
+        tree of specs like ``tree`` (or a prefix of it) partitions each leaf
+        its own way, as sharded parameters are.
 
     Returns:
       The same tree of global ``jax.Array`` with ``NamedSharding(mesh, spec)``.
@@ -332,13 +334,12 @@ def place(tree: Any, mesh: Mesh, spec: P | None = None) -> Any:
       >>> batch["x"].shape, batch["x"].sharding.spec
       ((4, 3), P('data',))
     """
-    sharding = NamedSharding(mesh, P() if spec is None else spec)
 
-    def put(x):
-        x = np.asarray(x)
+    def put(spec, x):
+        x, sharding = np.asarray(x), NamedSharding(mesh, spec)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    return jax.tree.map(put, tree)
+    return _by_spec(put, P() if spec is None else spec, tree)
 
 
 def per_device(params: Any, mesh: Mesh, axis_name: AxisName) -> Any:
