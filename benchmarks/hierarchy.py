@@ -44,6 +44,7 @@ import numpy as np
 
 import sidco_jax as sidco
 from benchmarks import harness, trees
+from examples.common import parallel as example_parallel
 
 FIGURES = 64  # bytes: collectives this small carry the step's agreed figures
 SHAPES = {"flat": lambda: [(2**22,)], **trees.TREES}
@@ -64,19 +65,13 @@ def compressor(variant: str, ratio: float, local: int):
     return sidco.compress(ratio, layout="buckets", **options), "node"
 
 
-def param_specs(variant: str, shapes, local: int) -> list:
-    """Replicated parameters, or (``"params"``) each leaf split over the node's devices along
-    its largest dimension of a multiple of ``local`` entries."""
+def param_specs(variant: str, shapes, mesh) -> list:
+    """Replicated parameters, or (``"params"``) each leaf split over the node's devices as the
+    examples split them (along its largest dimension they divide)."""
     if variant != "params":
         return [jax.P()] * len(shapes)
-    specs = []
-    for shape in shapes:
-        even = [d for d in range(len(shape)) if shape[d] % local == 0]
-        if not even:
-            raise ValueError(f"a leaf of shape {shape} has no dimension {local} devices split")
-        at = max(even, key=lambda d: shape[d])
-        specs.append(jax.P(*[None] * at, "local"))
-    return specs
+    leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    return example_parallel.param_specs(leaves, mesh)
 
 
 def step_of(tx, mesh, axes, shapes, specs):
@@ -133,7 +128,7 @@ def measured_bytes(variant: str, nodes: int, local: int, shapes, ratio: float) -
     """Operand bytes per device on each axis, from the HLO, and the residual per device."""
     mesh = jax.make_mesh((nodes, local), BOTH, devices=jax.devices()[: nodes * local])
     tx, axes = compressor(variant, ratio, local)
-    specs = param_specs(variant, shapes, local)
+    specs = param_specs(variant, shapes, mesh)
     step, params, state, grads = step_of(tx, mesh, axes, shapes, specs)
     found = sidco.hlo.collectives(step.lower(params, state, grads).compile())
     slow, fast = 0, 0
@@ -178,7 +173,7 @@ def time_rows(tree_names, ratios, rounds: int) -> list[dict]:
         fns, args = {}, {}
         for variant in ("replicated", "sharded", "params"):
             tx, axes = compressor(variant, ratio, local)
-            specs = param_specs(variant, shapes, local)
+            specs = param_specs(variant, shapes, mesh)
             step, _, _ = step_of(tx, mesh, axes, shapes, specs)
             params = sidco.parallel.place([np.zeros(s, np.float32) for s in shapes], mesh)
             params = [

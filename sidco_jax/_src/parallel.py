@@ -194,8 +194,7 @@ def shard_init(
     # What each device's init sees: its shards of the parameters (a Cut records their shapes).
     one, full = params, None
     if param_specs is not None:
-        one = _by_spec(lambda spec, p: _shard_struct(p, mesh, spec), param_specs, params)
-        full = _by_spec(lambda spec, _: spec, param_specs, params)
+        one, full = _per_device(params, mesh, param_specs)
     abstract = jax.eval_shape(tx.init, one)
     specs = state_specs(abstract, axis_name, accumulator_axis=accumulator_axis, param_specs=full)
     in_specs = (P() if param_specs is None else param_specs,)
@@ -220,10 +219,15 @@ def _is_spec(node) -> bool:
     return isinstance(node, P)
 
 
-def _shard_struct(x, mesh: Mesh, spec: P) -> jax.ShapeDtypeStruct:
-    """The shape and dtype of one device's shard of ``x`` placed with ``spec``."""
-    shape = NamedSharding(mesh, spec).shard_shape(jnp.shape(x))
-    return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+def _per_device(params, mesh: Mesh, param_specs) -> tuple[Any, Any]:
+    """The shapes and dtypes of one device's shards of ``params``, and the spec of every leaf
+    (``param_specs`` may be a prefix tree of them)."""
+
+    def shard(spec, x):
+        shape = NamedSharding(mesh, spec).shard_shape(jnp.shape(x))
+        return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+
+    return _by_spec(shard, param_specs, params), _by_spec(lambda spec, _: spec, param_specs, params)
 
 
 def _devices_along(mesh: Mesh, axis_name: AxisName, name: str = "axis_name") -> int:
@@ -562,9 +566,9 @@ def data_parallel_step(
             one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), params)
             param_spec = P(axis_name)
         elif param_specs is not None:
-            full = param_spec = _by_spec(lambda spec, _: spec, param_specs, params)
+            one, full = _per_device(params, mesh, param_specs)
             _check_all_sharded(params, full)
-            one = _by_spec(lambda spec, p: _shard_struct(p, mesh, spec), param_specs, params)
+            param_spec = full
         _check_state(opt_state, jax.eval_shape(tx.init, one), mesh, axes)
         specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name, param_specs=full)
         sharded = jax.shard_map(
