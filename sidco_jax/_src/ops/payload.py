@@ -437,19 +437,30 @@ def _rows_of(rows, firsts, vectors, block: jax.Array) -> tuple[jax.Array, jax.Ar
     return values, base
 
 
-def _by_words(vectors, threshold, capacity: int, inclusive: bool, dtype) -> Payload:
-    """The payload from bitmask words, for XLA:CPU (the module's docstring)."""
-    sizes = [v.shape[0] for v in vectors]
-    n = sum(sizes)
-    words, word_sizes, after = [], [], None
+def _words(vectors, threshold, inclusive: bool, after=None) -> tuple[jax.Array, list[int]]:
+    """Each non-empty vector's bitmask words (:func:`passes.block_words`), zero words
+    up to a whole group after each (each vector starts a group), concatenated; and
+    each vector's word count."""
+    words, word_sizes = [], []
     for v in vectors:
         if v.shape[0]:
-            # Zero words up to a whole group: each vector starts a group.
-            w = passes.block_words(v, threshold.astype(v.dtype), after, inclusive, _GROUP)
-            after = w
-            words.append(w)
-            word_sizes.append(w.shape[0])
-    words = jnp.concatenate(words) if len(words) > 1 else words[0]
+            after = passes.block_words(v, threshold.astype(v.dtype), after, inclusive, _GROUP)
+            words.append(after)
+            word_sizes.append(after.shape[0])
+    return (jnp.concatenate(words) if len(words) > 1 else words[0]), word_sizes
+
+
+def _by_words(vectors, threshold, capacity: int, inclusive: bool, dtype) -> Payload:
+    """The payload from bitmask words, for XLA:CPU (the module's docstring)."""
+    words, word_sizes = _words(vectors, threshold, inclusive)
+    return _compact(words, word_sizes, vectors, capacity, dtype)
+
+
+def _compact(words, word_sizes, vectors, capacity: int, dtype) -> Payload:
+    """The entries whose bits ``words`` (:func:`_words` of ``vectors``) set, in index
+    order, in ``capacity`` slots."""
+    sizes = [v.shape[0] for v in vectors]
+    n = sum(sizes)
     groups = words.reshape(-1, _GROUP)
     # Bits set in each group's words up to each word (exact in float32: at most 512).
     upto = lax.population_count(groups).astype(jnp.float32) @ jnp.triu(
@@ -621,7 +632,7 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
     first of those equal to ``t``, merged in index order.
     """
     return passes.by_platform(
-        lambda: _top_by_merge(vectors, k), lambda: _top_by_blocks(vectors, k), like=vectors
+        lambda: _top_by_words(vectors, k), lambda: _top_by_blocks(vectors, k), like=vectors
     )
 
 
@@ -635,27 +646,28 @@ def _top_by_blocks(vectors, k: int) -> tuple[Payload, jax.Array]:
     return payload._replace(count=count, selected=count), t
 
 
-def _top_by_merge(vectors, k: int) -> tuple[Payload, jax.Array]:
-    """:func:`top_by_count`'s payload from two selections merged (XLA:CPU)."""
+def _top_by_words(vectors, k: int) -> tuple[Payload, jax.Array]:
+    """:func:`top_by_count`'s payload in one compaction of bitmask words (XLA:CPU): the
+    words of the entries above the k-th magnitude, and of the first ties at it."""
     t = kth_magnitude(vectors, k)
-    above = select_above(vectors, t, k)  # fewer than k: all of them
-    at_least = select_above(vectors, t, k, inclusive=True)  # its first k, in index order
-    slot = jnp.arange(k, dtype=jnp.int32)
-    tie = (slot < at_least.count) & (jnp.abs(at_least.values).astype(jnp.float32) <= t)
-    rank = jnp.cumsum(tie, dtype=jnp.int32)  # 1-based among the ties
-    taken = tie & (rank <= k - above.count)
-    n = sum(v.shape[0] for v in vectors)  # the padding index, above every entry's
-    ties = jnp.full(k, n, jnp.int32)
-    ties = ties.at[jnp.where(taken, rank - 1, k)].set(at_least.indices, mode="drop")
-    # Each entry's place in the merge: its rank on its side plus those before it on the other.
-    at_above = jnp.where(slot < above.count, slot + _searchsorted(ties, above.indices), k)
-    at_tie = jnp.where(taken, rank - 1 + _searchsorted(above.indices, at_least.indices), k)
-    values = above.values.at[at_above].set(above.values, mode="drop")
-    values = values.at[at_tie].set(at_least.values, mode="drop")
-    indices = above.indices.at[at_above].set(above.indices, mode="drop")
-    indices = indices.at[at_tie].set(at_least.indices, mode="drop")
-    count = jnp.minimum(at_least.selected, k)  # k, from data (it varies like the rest)
-    return Payload(values, indices, count, count), t
+    live = [v for v in vectors if v.shape[0]]
+    above, word_sizes = _words(live, t, False)
+    at_least, _ = _words(live, t, True, after=above)
+    ties = k - jnp.sum(lax.population_count(above).astype(jnp.int32))
+    words = above | _first_bits(at_least & ~above, ties)
+    payload = _compact(words, word_sizes, live, k, jnp.result_type(*live))
+    count = jnp.minimum(payload.selected, k)  # k, from data (it varies like the rest)
+    return payload._replace(count=count, selected=count), t
+
+
+def _first_bits(words: jax.Array, count: jax.Array) -> jax.Array:
+    """``words`` with only their first ``count`` set bits (in entry order) left set."""
+    bits = lax.population_count(words).astype(jnp.int32)
+    left = count - (_cumsum(bits, passes.WORD) - bits)  # still to take at each word
+    # Cut inside a word (0 < left < bits): the last bit taken is below bit 31.
+    last = _nth_bit(words, jnp.clip(left, 1, passes.WORD - 1))
+    upto = jnp.left_shift(jnp.uint32(1), (last + 1).astype(jnp.uint32)) - jnp.uint32(1)
+    return jnp.where(left >= bits, words, jnp.where(left > 0, words & upto, jnp.uint32(0)))
 
 
 def sparsify(x: Any, threshold: jax.Array, capacity: int) -> Payload:
