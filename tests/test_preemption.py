@@ -99,7 +99,7 @@ def test_a_killed_run_resumes_bit_identically(tmp_path, capsys):
     capsys.readouterr()
     folder = tmp_path / "ckpt" / "sidco-e"
     rng = np.random.default_rng(36)
-    for run in range(3):
+    for run in range(2):  # one kill of each kind
         done = checkpoints.latest(folder, STEPS)
         step = done + EVERY * int(rng.integers(1, 3))  # one of the next two checkpoints
         if run % 2 == 0:  # halfway through that checkpoint's save
@@ -117,8 +117,8 @@ def test_a_killed_run_resumes_bit_identically(tmp_path, capsys):
             assert checkpoints.latest(folder, STEPS) >= step
         assert code == -signal.SIGKILL, (tmp_path / f"run{run}.log").read_text()[-3000:]
         assert checkpoints.latest(folder, STEPS) < STEPS
-    assert finish(start(tmp_path, 3), tmp_path, 3) == 0, (tmp_path / "run3.log").read_text()
-    assert "sidco-e: resumed at step" in (tmp_path / "run3.log").read_text()
+    assert finish(start(tmp_path, 2), tmp_path, 2) == 0, (tmp_path / "run2.log").read_text()
+    assert "sidco-e: resumed at step" in (tmp_path / "run2.log").read_text()
     got, wanted = final_state(folder), final_state(want / "ckpt" / "sidco-e")
     chex.assert_trees_all_equal(got[:2], wanted[:2])  # params, optimizer state, residuals
     assert got[2] == wanted[2]  # losses, densities, accuracies
