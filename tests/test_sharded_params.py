@@ -273,6 +273,73 @@ def test_a_leaf_left_whole_among_sharded_parameters_is_refused():
         step(params, state, np.zeros((8, 48), np.float32))
 
 
+def _linear(params, grads):
+    """A loss whose gradient at the whole parameters is this device's ``grads``."""
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(grads), strict=True)
+    return sum(jnp.vdot(p, g[0]) for p, g in pairs)
+
+
+def _train(tx, stream, local: bool):
+    """``tx`` through ``data_parallel_step`` with the parameters sharded over ``local``: one
+    copy per node (``local``, as diloco trains them) or one for all; every step's parameters."""
+    mesh = _mesh()
+    placed = sidco.parallel.place(params_tree(), mesh, SPECS)
+    state = sidco.parallel.shard_init(tx, placed, mesh, BOTH, SPECS)
+    params = sidco.parallel.per_device(params_tree(), mesh, NODE, SPECS) if local else placed
+    step = sidco.parallel.data_parallel_step(
+        _linear, tx, state, mesh, BOTH, state_axis=BOTH, local_params=local, param_specs=SPECS
+    )
+    history = []
+    for grads in stream:
+        params, state, _ = step(params, state, grads)
+        history.append(jax.tree.map(np.asarray, params))
+    return history, state
+
+
+def test_outer_steps_every_step_are_the_sharded_compressed_step(rng):
+    # Dyadic gradients and learning rates: every difference is exact, so the anchor after
+    # each synchronization is the compressed SGD step's parameters, bit for bit.
+    stream = gradient_stream(rng, 4)
+    tx = sidco.diloco(optax.sgd(0.5), optax.sgd(1.0), 1, _owned())
+    got, state = _train(tx, stream, local=True)
+    want, want_state = _train(optax.chain(_owned(), optax.sgd(0.5)), stream, local=False)
+    for local, params in zip(got, want, strict=True):
+        for node in range(NODES):
+            chex.assert_trees_all_equal(jax.tree.map(lambda x, n=node: x[n], local), params)
+    # The residual holds the learning rate's share of what the compressed step keeps.
+    chex.assert_trees_all_equal(
+        jax.tree.map(np.asarray, state.exchange.residual),
+        jax.tree.map(lambda r: 0.5 * np.asarray(r), want_state[0].residual),
+    )
+    assert 0 < np.count_nonzero(got[-1]["w"]) < got[-1]["w"].size
+
+
+def test_outer_steps_lose_nothing_and_hold_a_node_share_of_the_state(rng):
+    stream = gradient_stream(rng, 9)
+    compressor = _owned(ratio=0.02, values="int8", indices="chunked")
+    inner, outer = optax.sgd(0.5, momentum=0.9), optax.sgd(1.0, momentum=0.5)
+    _, state = _train(sidco.diloco(inner, outer, 3, compressor), stream[:1], local=True)
+
+    def per_device(tree):
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+    # The anchor, both momenta and the residual: each a node's share of the model.
+    for part in (state.anchor, state.inner, state.outer, state.exchange.residual):
+        assert per_device(part) * SHARDS == 4 * N, part
+    assert state.anchor["w"].sharding.spec == P(LOCAL, None)
+    # Without momentum outside, the anchor moves by minus each mean: NODES x its moves plus
+    # the residuals are every node's pseudo-gradients, 0.5 x its mean gradients.
+    tx = sidco.diloco(optax.sgd(0.5), optax.sgd(1.0), 3, compressor)
+    _, state = _train(tx, stream, local=True)
+    start = params_tree()
+    moved = [np.ravel(start[k] - np.asarray(state.anchor[k])) for k in sorted(start)]
+    moved = np.concatenate(moved)  # in jax.tree.leaves' order, as the rows below
+    kept = _residual_by_node(state.exchange.residual).sum(0)
+    owed = 0.5 * sum(_leaves_by_device(g).sum(0) for g in stream) / SHARDS
+    np.testing.assert_allclose(NODES * moved + kept, owed, rtol=0, atol=1e-5)
+    assert 0 < float(sidco.metrics(state.exchange)["density"]) <= 0.03
+
+
 def _two_slices_step(tx, mesh, specs, n: int):
     """The hybrid step compiled for two TPU slices: FSDP's backward pass over a slice's chips,
     ``tx`` and the update applied; parameters ``(n // 256, 256)`` placed with ``specs``."""

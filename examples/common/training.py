@@ -222,10 +222,19 @@ class Run:
         return self.seconds + time.perf_counter() - self.start
 
     def _host(self, params) -> Any:
-        """The parameters on the host; with outer steps device 0's, the anchor after an exchange."""
+        """The parameters on the host; with outer steps the first copy's, the anchor after an
+        exchange."""
         if self.config.outer_every:
-            return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0], params)
+            return jax.tree.map(_first_copy, params)
         return jax.tree.map(parallel.replicated_value, params)
+
+
+def _first_copy(x) -> np.ndarray:
+    """The first of per-device copies (a leading axis), gathered where it is sharded."""
+    own = x.addressable_data(0)
+    if own.shape[1:] == x.shape[1:]:  # whole on its device
+        return np.asarray(own)[0]
+    return parallel.replicated_value(x)[0]
 
 
 def example(job: str) -> tuple[Task, Config]:

@@ -15,10 +15,8 @@ def check(config) -> str | None:
     """The error for flags that do not go together, or None."""
     if config.text != "bundled" and not os.path.isfile(config.text):
         return f"--text {config.text}: no such file (or 'bundled', the English text shipped here)"
-    if config.shard_params and (config.nodes < 2 or config.outer_every):
-        return (
-            "--shard-params shards over a node's devices: give --nodes 2 or more, not --outer-every"
-        )
+    if config.shard_params and config.nodes < 2:
+        return "--shard-params shards over a node's devices: give --nodes 2 or more"
     if config.model == "transformer" and config.embed % config.heads:
         return f"--embed {config.embed} must be a multiple of --heads {config.heads}"
     return None

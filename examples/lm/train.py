@@ -90,9 +90,10 @@ def train_and_evaluate(
     tx = training.create_optimizer(config, compressor, **axes, **(options or {}))
     params = sidco.parallel.place(params, mesh, specs)
     opt_state = sidco.parallel.shard_init(tx, params, mesh, mesh.axis_names, specs)
-    local = bool(config.outer_every)  # outer steps: each device trains its own copy
-    if local:
-        params = sidco.parallel.per_device(task.init(config.seed), mesh, mesh.axis_names)
+    local = bool(config.outer_every)  # outer steps: each device trains its own copy,
+    if local:  # or with --shard-params each node its own, sharded over its devices
+        copies = parallel.NODE if specs is not None else mesh.axis_names
+        params = sidco.parallel.per_device(task.init(config.seed), mesh, copies, specs)
     # The library's step: each device's gradient of its shard of the batch, then the
     # compressor's update (averaged over the mesh) and SGD; the state is updated in place.
     train_step = sidco.parallel.data_parallel_step(

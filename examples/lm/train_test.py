@@ -41,3 +41,14 @@ def test_a_tiny_transformer_holds_a_quarter_of_its_state_with_sharded_parameters
         assert mine.parameters == theirs.parameters
         assert mine.state_bytes < 0.4 * theirs.state_bytes, (mine.compressor, mine, theirs)
     assert sharded[0].bytes_per_step < sharded[1].bytes_per_step / 5
+
+
+@pytest.mark.slow
+def test_a_tiny_transformer_takes_outer_steps_with_sharded_parameters(tmp_path):
+    tiny = ["--config", "tiny", "--model", "transformer", "--embed", "16", "--heads", "2"]
+    tiny += ["--nodes", "2", "--shard-params", "--outer-every", "2", "--capture-steps"]
+    flags = ["--compressors", "sidco-e", "--text", str(ENGLISH), "--workdir", str(tmp_path)]
+    [history] = main.main([*tiny, *flags])
+    vocab = len(set(ENGLISH.read_text(encoding="utf-8")[:20_000]))
+    assert 1.0 < history.evals[0] < 2 * vocab
+    assert history.bytes_per_step > 0 and np.all(np.isfinite(history.loss))

@@ -142,6 +142,9 @@ def _following(opt_state, specs, param_specs) -> Any:
         return all(np.ndim(x) >= len(s) for x, s in zip(leaves, wanted, strict=True))
 
     def choose(node, spec):
+        if isinstance(node, OuterState):  # its anchor is the parameters, its outer state follows
+            outer = _following(node.outer, spec.outer, param_specs)
+            return spec._replace(anchor=structure.unflatten(wanted), outer=outer)
         return structure.unflatten(wanted) if follows(node) else spec
 
     stop = lambda n: _is_state(n) or follows(n)  # noqa: E731
@@ -346,21 +349,25 @@ def place(tree: Any, mesh: Mesh, spec: Any = None) -> Any:
     return _by_spec(put, P() if spec is None else spec, tree)
 
 
-def per_device(params: Any, mesh: Mesh, axis_name: AxisName) -> Any:
+def per_device(params: Any, mesh: Mesh, axis_name: AxisName, param_specs: Any = None) -> Any:
     """One copy of ``params`` per device along ``axis_name``: a new leading axis split over it.
 
     The layout of parameters that differ across devices, as
     :func:`sidco_jax.diloco` trains them between its synchronizations: a leaf
     ``x`` becomes ``(devices, *x.shape)``, device ``i`` holding row ``i``.
-    Like :func:`place`, it works unchanged across processes.
+    With ``param_specs``, each copy is sharded as they say (FSDP within a
+    node: one copy per node, split over the node's devices). Like
+    :func:`place`, it works unchanged across processes.
 
     Args:
       params: the parameters (host or fully addressable arrays).
       mesh: the device mesh.
       axis_name: the axis (or tuple of axes) the copies are split over.
+      param_specs: how each copy is sharded (a ``PartitionSpec`` per leaf, or
+        a prefix tree of them; default None: whole on each device).
 
     Returns:
-      The global arrays, ``NamedSharding(mesh, P(axis_name))``.
+      The global arrays, ``NamedSharding(mesh, P(axis_name, *spec))``.
 
     Examples:
       >>> import jax, numpy as np, sidco_jax as sidco
@@ -371,7 +378,20 @@ def per_device(params: Any, mesh: Mesh, axis_name: AxisName) -> Any:
     """
     devices = _devices_along(mesh, axis_name)
     stacked = jax.tree.map(lambda x: np.broadcast_to(x, (devices, *np.shape(x))), params)
-    return place(stacked, mesh, P(axis_name))
+    specs = P() if param_specs is None else param_specs
+    return place(stacked, mesh, jax.tree.map(lambda s: P(axis_name, *s), specs, is_leaf=_is_spec))
+
+
+def _copies(param_specs: Any, batch_axes: tuple[str, ...]) -> Any:
+    """The specs of per-device copies of sharded parameters (:func:`per_device`): each split
+    over the batch axes its shards are not split over."""
+
+    def spec(s):
+        held = {a for _, axes in _spec_axes(s) for a in axes}
+        rest = tuple(a for a in batch_axes if a not in held)
+        return P(rest[0] if len(rest) == 1 else (rest or None), *s)
+
+    return jax.tree.map(spec, param_specs, is_leaf=_is_spec)
 
 
 def _spec_axes(spec) -> list[tuple[int, tuple[str, ...]]]:
@@ -458,9 +478,9 @@ def _local_step(loss, tx, axis_name: AxisName, local_params: bool, param_specs) 
         return loss(params if param_specs is None else gather(params, param_specs), batch)
 
     def step(params, opt_state, batch):
-        if local_params:
+        if local_params:  # each device's copy varies over every batch axis already
             own = jax.tree.map(lambda p: p[0], params)
-            value, grads = jax.value_and_grad(loss)(own, batch)
+            value, grads = jax.value_and_grad(whole_loss)(own, batch)
         else:
             own = params
             at = _by_spec(varying, P() if param_specs is None else param_specs, own)
@@ -516,7 +536,9 @@ def data_parallel_step(
       local_params: the parameters differ across devices, one copy per
         device along a leading axis (:func:`per_device`), as
         :func:`sidco_jax.diloco` trains them; each device's gradient is taken
-        at its own copy.
+        at its own copy. With ``param_specs``, each copy is sharded so and
+        split over the batch axes its shards are not (``per_device(params,
+        mesh, "node", param_specs)``: one copy per node, FSDP within it).
       param_specs: how the parameters are sharded (a ``PartitionSpec`` per
         leaf, or a prefix tree of them; default None: replicated). Each
         device holds its shards, the loss sees them gathered (:func:`gather`)
@@ -555,20 +577,22 @@ def data_parallel_step(
     state_axis = axis_name if state_axis is None else state_axis
     _devices_along(mesh, axis_name)
     _devices_along(mesh, state_axis, "state_axis")
-    if local_params and param_specs is not None:
-        raise ValueError("local_params and param_specs do not go together: give one of them")
     step = _local_step(loss, tx, axis_name, local_params, param_specs)
     axes = {_RESIDUAL: state_axis, _ACCUMULATOR: axis_name}
+    batch_axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def checked(params, opt_state, batch):
         one, full, param_spec = params, None, P()
-        if local_params:
-            one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), params)
-            param_spec = P(axis_name)
-        elif param_specs is not None:
-            one, full = _per_device(params, mesh, param_specs)
+        if param_specs is not None:
+            full = _by_spec(lambda spec, _: spec, param_specs, params)
             _check_all_sharded(params, full)
-            param_spec = full
+            param_spec = _copies(full, batch_axes) if local_params else full
+            one, _ = _per_device(params, mesh, param_spec)
+        elif local_params:
+            param_spec = P(axis_name)
+            one, _ = _per_device(params, mesh, param_spec)
+        if local_params:  # one copy's shards
+            one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), one)
         _check_state(opt_state, jax.eval_shape(tx.init, one), mesh, axes)
         specs = state_specs(opt_state, state_axis, accumulator_axis=axis_name, param_specs=full)
         sharded = jax.shard_map(

@@ -68,11 +68,12 @@ def _varying(x) -> frozenset:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
-def _check_averaged(mean) -> None:
-    """Refuses a compressor whose result still varies across devices (no ``axis_name``)."""
+def _check_averaged(mean, anchor) -> None:
+    """Refuses a compressor whose result still varies across devices (no ``axis_name``): it
+    may vary only where the anchor does (sharded parameters: each device its shard)."""
     axes = set()
-    for leaf in jax.tree.leaves(mean):
-        axes |= _varying(leaf)
+    for leaf, held in zip(jax.tree.leaves(mean), jax.tree.leaves(anchor), strict=True):
+        axes |= _varying(leaf) - _varying(held)
     if axes:
         raise ValueError(
             f"the compressor's average still varies over the mesh axes {sorted(axes)}: the "
@@ -116,6 +117,9 @@ def diloco(
     ``jax.shard_map`` they are per device
     (:func:`sidco_jax.parallel.per_device`,
     ``data_parallel_step(..., local_params=True)``), like the inner state.
+    Sharded parameters (FSDP within a node) are per node and sharded over
+    its devices, the anchor and the outer state sharded as the parameters,
+    with a compressor built with ``inner_shards="params"``.
 
     A non-finite gradient on a device skips that device's inner step: its
     parameters and inner state stay as they were, so no NaN or infinity
@@ -186,7 +190,7 @@ def diloco(
         def synchronize(_):
             moved = jax.tree.map(jnp.subtract, state.anchor, local)
             mean, exchange = compressor.update(moved, state.exchange, state.anchor)
-            _check_averaged(mean)
+            _check_averaged(mean, state.anchor)
             step, outer_state = outer.update(mean, state.outer, state.anchor)
             anchor = optax.apply_updates(state.anchor, step)
             target = jax.tree.map(_varying_like, anchor, local)
