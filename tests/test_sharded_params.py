@@ -340,6 +340,18 @@ def test_outer_steps_lose_nothing_and_hold_a_node_share_of_the_state(rng):
     assert 0 < float(sidco.metrics(state.exchange)["density"]) <= 0.03
 
 
+def test_outer_state_of_sharded_parameters_round_trips_a_checkpoint(rng, tmp_path):
+    tx = sidco.diloco(optax.sgd(0.5, momentum=0.9), optax.sgd(1.0), 2, _owned())
+    _, state = _train(tx, gradient_stream(rng, 3), local=True)
+    sidco.save(tmp_path / "ckpt", state)
+    placed = sidco.parallel.place(params_tree(), _mesh(), SPECS)
+    target = sidco.parallel.shard_init(tx, placed, _mesh(), BOTH, SPECS)
+    restored = sidco.restore(tmp_path / "ckpt", target)
+    chex.assert_trees_all_equal(restored, state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+        assert got.sharding == want.sharding
+
+
 def _two_slices_step(tx, mesh, specs, n: int):
     """The hybrid step compiled for two TPU slices: FSDP's backward pass over a slice's chips,
     ``tx`` and the update applied; parameters ``(n // 256, 256)`` placed with ``specs``."""
