@@ -203,6 +203,9 @@ def hierarchical_seconds(
     reduce-scatter and an all-gather over the node (a ring all-reduce's
     bytes) instead, and each device compresses and sends its slice of the
     node's mean: ``ceil(size / local)`` entries, ``ceil(capacity / local)`` slots.
+    It prices a step of sharded parameters (``inner_shards="params"``) too:
+    the backward pass's reduce-scatter, and the forward pass's all-gather of
+    the parameters in place of the update's.
     """
     slice_size, slots = size, capacity
     if sharded:
