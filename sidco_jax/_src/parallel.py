@@ -387,11 +387,16 @@ def _copies(param_specs: Any, batch_axes: tuple[str, ...]) -> Any:
     over the batch axes its shards are not split over."""
 
     def spec(s):
-        held = {a for _, axes in _spec_axes(s) for a in axes}
-        rest = tuple(a for a in batch_axes if a not in held)
+        rest = _unsplit(s, batch_axes)
         return P(rest[0] if len(rest) == 1 else (rest or None), *s)
 
     return jax.tree.map(spec, param_specs, is_leaf=_is_spec)
+
+
+def _unsplit(spec, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``axes`` that ``spec`` does not split any dimension over."""
+    held = {a for _, split in _spec_axes(spec) for a in split}
+    return tuple(a for a in axes if a not in held)
 
 
 def _spec_axes(spec) -> list[tuple[int, tuple[str, ...]]]:
@@ -470,8 +475,7 @@ def _local_step(loss, tx, axis_name: AxisName, local_params: bool, param_specs) 
     def varying(spec, p):
         # Parameters the same across devices would make the backward pass psum the gradient
         # densely: they vary over every batch axis their shards do not already vary over.
-        held = {a for _, axes in _spec_axes(spec) for a in axes}
-        rest = tuple(a for a in batch_axes if a not in held)
+        rest = _unsplit(spec, batch_axes)
         return jax.lax.pcast(p, rest, to="varying") if rest else p
 
     def whole_loss(params, batch):
