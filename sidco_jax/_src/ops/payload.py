@@ -627,9 +627,9 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
     """Exact top-``k`` magnitudes of 1-D ``vectors`` as a payload of ``k`` slots, and the k-th.
 
     The same entries as ``lax.top_k`` over the concatenation (ties go to the
-    lower index), found with :func:`kth_magnitude` and two payload passes
-    instead of a sort: every entry above the k-th magnitude ``t``, and the
-    first of those equal to ``t``, merged in index order.
+    lower index), found with :func:`kth_magnitude` and one compaction instead
+    of a sort: every entry above the k-th magnitude ``t``, and the first of
+    those equal to ``t``, in index order.
     """
     return passes.by_platform(
         lambda: _top_by_words(vectors, k), lambda: _top_by_blocks(vectors, k), like=vectors
