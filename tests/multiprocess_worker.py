@@ -1,14 +1,16 @@
 """One process of the multi-process test (tests/test_multiprocess.py).
 
-Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING [HIERARCHICAL
+Run as ``python multiprocess_worker.py PROCESS_ID PROCESSES PORT OUT [DYING [MESHES
 [CHECKPOINT]]]`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the
 ``jax.distributed`` job on localhost with gloo CPU collectives, trains
-``harness.train_least_squares`` over every process's devices and writes the
-result to ``OUT`` (process 0). Process ``DYING``, if given (-1: none), exits
-abruptly after joining, as a crashed worker would. ``HIERARCHICAL`` (0 to 3)
-trains on a node x local mesh, one node per process: 1 replicated, 2 with
-``inner_shards``, 3 with the weights sharded over the node (``"params"``). ``CHECKPOINT`` (0 or 1)
-saves and restores the training state instead (:func:`check_checkpoints`).
+``harness.train_least_squares`` over every process's devices on each of ``MESHES``
+(digits, default ``0``) in turn, and writes the results to ``OUT`` (process 0), keys
+prefixed ``<mesh>/``: one job trains them all, so the processes start and join once.
+Process ``DYING``, if given (-1: none), exits abruptly after joining, as a crashed
+worker would. Mesh 0 is flat; 1 to 3 are node x local, one node per process: 1
+replicated, 2 with ``inner_shards``, 3 with the weights sharded over the node
+(``"params"``). ``CHECKPOINT`` (0 or 1) saves and restores the training state instead
+(:func:`check_checkpoints`).
 """
 
 import json
@@ -64,7 +66,7 @@ def main(
     port: int,
     out: str,
     dying: int = -1,
-    hierarchical: int = 0,
+    meshes: str = "0",
     checkpoint: int = 0,
 ) -> None:
     import jax
@@ -77,7 +79,8 @@ def main(
         num_processes=processes,
         process_id=process_id,
         initialization_timeout=60,
-        heartbeat_timeout_seconds=10,
+        # Where a process is to die, the other learns it sooner: the test waits for that.
+        heartbeat_timeout_seconds=10 if dying < 0 else 4,
     )
     from harness import train_least_squares
 
@@ -87,13 +90,18 @@ def main(
         check_checkpoints(process_id, out)
         jax.distributed.shutdown()
         return
-    sharded = {2: True, 3: "params"}.get(hierarchical, False)
-    params, metrics = train_least_squares(STEPS, hierarchical=bool(hierarchical), sharded=sharded)
+    results = {}
+    for mesh in map(int, meshes):
+        sharded = {2: True, 3: "params"}.get(mesh, False)
+        params, metrics = train_least_squares(STEPS, hierarchical=bool(mesh), sharded=sharded)
+        results |= {f"{mesh}/{k}": v for k, v in {"params": params, **metrics}.items()}
     if process_id == 0:
-        np.savez(out, params=params, **metrics)
+        np.savez(out, **results)
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
     process_id, processes, port, out = sys.argv[1:5]
-    main(int(process_id), int(processes), int(port), out, *map(int, sys.argv[5:]))
+    given = sys.argv[5:]
+    dying, meshes, checkpoint = [*given, *["-1", "0", "0"][len(given) :]]
+    main(int(process_id), int(processes), int(port), out, int(dying), meshes, int(checkpoint))

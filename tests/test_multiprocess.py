@@ -62,38 +62,38 @@ def launch(out, processes=2, local_devices=4, *extra):
     return results
 
 
+# Mesh 0: flat over the 8 devices; 1 to 3: one node per process, dense over its 4 devices
+# (or reduce-scattered over them, each compressing its slice, or its shard of the weights),
+# compressed across the 2 processes. One job trains all four, one after the other.
+MESHES = {0: (False, False), 1: (True, False), 2: (True, True), 3: (True, "params")}
+
+
 def test_two_processes_of_four_devices_train_like_one_process_of_eight(tmp_path):
-    results = launch(tmp_path / "out.npz")
+    results = launch(tmp_path / "out.npz", 2, 4, -1, "".join(map(str, MESHES)))
     for code, output, _ in results:
         assert code == 0, output[-3000:]
     with np.load(tmp_path / "out.npz") as archive:
         got = dict(archive)
-    params, metrics = train_least_squares(30)  # this process: 8 devices
-    np.testing.assert_array_equal(got["params"], params)
-    for key, value in metrics.items():
-        np.testing.assert_array_equal(got[key], value, err_msg=key)
-    assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
-
-
-@pytest.mark.parametrize("sharded", [False, True, "params"])
-def test_hierarchical_over_two_processes_equals_one_process_of_eight(tmp_path, sharded):
-    # One node per process: dense over its 4 devices (or reduce-scattered over them, each
-    # compressing its slice, or its shard of the weights), compressed across the 2 processes.
-    results = launch(tmp_path / "out.npz", 2, 4, -1, {False: 1, True: 2, "params": 3}[sharded])
-    for code, output, _ in results:
-        assert code == 0, output[-3000:]
-    with np.load(tmp_path / "out.npz") as archive:
-        got = dict(archive)
-    params, metrics = train_least_squares(30, hierarchical=True, sharded=sharded)  # 2 x 4 here
-    # The dense inner mean adds 4 floats in the collective's own order (gloo's ring
-    # across processes, XLA's loop in one): last-bit differences, compounded over 30
-    # steps. The compressed axis moves values only (all_gather), so it adds none.
-    np.testing.assert_allclose(got["params"], params, rtol=1e-4, atol=1e-6)
-    for key, value in metrics.items():
-        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
-    assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
-    flat, _ = train_least_squares(30)
-    assert not np.array_equal(params, flat)  # the mesh did change what was compressed
+    flat = None
+    for mesh, (hierarchical, sharded) in MESHES.items():
+        # This process: 8 devices (2 x 4 for the hierarchical meshes).
+        params, metrics = train_least_squares(30, hierarchical=hierarchical, sharded=sharded)
+        assert 0.5 < float(metrics["density"]) / 0.05 < 1.5
+        if not hierarchical:  # the compressed axis moves values only (all_gather): exact
+            np.testing.assert_array_equal(got[f"{mesh}/params"], params)
+            for key, value in metrics.items():
+                np.testing.assert_array_equal(got[f"{mesh}/{key}"], value, err_msg=key)
+            flat = params
+            continue
+        # The dense inner mean adds 4 floats in the collective's own order (gloo's ring
+        # across processes, XLA's loop in one): last-bit differences, compounded over 30
+        # steps.
+        np.testing.assert_allclose(got[f"{mesh}/params"], params, rtol=1e-4, atol=1e-6)
+        for key, value in metrics.items():
+            np.testing.assert_allclose(
+                got[f"{mesh}/{key}"], value, rtol=1e-4, atol=1e-6, err_msg=f"{mesh}/{key}"
+            )
+        assert not np.array_equal(params, flat)  # the mesh did change what was compressed
 
 
 def test_each_process_writes_and_checks_the_checksums_of_its_shards(tmp_path):
@@ -154,14 +154,10 @@ def test_the_cnn_example_runs_one_process_per_node_like_one_process(tmp_path):
                 p.kill()
             p.wait()
     assert not (tmp_path / "p1").exists()  # process 0 writes the results
-    one = subprocess.run(
-        [*run, "--workdir", str(tmp_path / "one")],
-        env=env,
-        capture_output=True,
-        check=True,
-        cwd=pathlib.Path(__file__).parent.parent,
-    )
-    assert one.returncode == 0
+    # The same run in this process, one process of 8 devices.
+    from examples.cnn import main
+
+    main.main([*run[3:], "--workdir", str(tmp_path / "one")])
     got = json.loads((tmp_path / "p0" / "results.json").read_text())
     want = json.loads((tmp_path / "one" / "results.json").read_text())
     (got,), (want,) = got["runs"], want["runs"]
