@@ -375,19 +375,19 @@ def run_job(link: VirtualLink, spec: dict, timeout: float, workdir: pathlib.Path
     env["XLA_FLAGS"] = " ".join(flags)
     cores = os.cpu_count() or 1
     processes, logs = [], []
-    for side in (0, 1):
-        mine = dict(
-            spec, process=side, device=link.devices[side], out=str(workdir / f"{side}.json")
-        )
-        argv = [sys.executable, "-m", "benchmarks.network", "--worker", json.dumps(mine)]
-        if cores > 1:  # one core each, as two hosts would have
-            argv = ["taskset", "-c", str(side % cores), *argv]
-        log = open(workdir / f"{side}.log", "w")  # noqa: SIM115 (closed below)
-        logs.append(log)
-        processes.append(
-            subprocess.Popen(link.command(side, argv), env=env, stdout=log, stderr=log)
-        )
-    try:
+    try:  # interrupted while the second starts, the first is killed too (finally)
+        for side in (0, 1):
+            mine = dict(
+                spec, process=side, device=link.devices[side], out=str(workdir / f"{side}.json")
+            )
+            argv = [sys.executable, "-m", "benchmarks.network", "--worker", json.dumps(mine)]
+            if cores > 1:  # one core each, as two hosts would have
+                argv = ["taskset", "-c", str(side % cores), *argv]
+            log = open(workdir / f"{side}.log", "w")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            processes.append(
+                subprocess.Popen(link.command(side, argv), env=env, stdout=log, stderr=log)
+            )
         deadline = time.monotonic() + timeout
         for process in processes:
             process.wait(timeout=max(deadline - time.monotonic(), 1))
