@@ -293,29 +293,70 @@ def _padded(payload: Payload, capacity: int, vectors) -> Payload:
 
 @in_payload_phase
 def select_or_top(
-    vectors: Sequence[jax.Array], threshold, capacity: int, abs_sum, k: int | None = None
+    vectors: Sequence[jax.Array],
+    threshold,
+    capacity: int,
+    abs_sum,
+    k: int | None = None,
+    refit: tuple[Callable, Callable] | None = None,
 ) -> tuple[Payload, jax.Array]:
     """:func:`select_above` of float32 ``vectors``, or where nothing passes though
     ``abs_sum > 0``, their exact top-``k`` (default: ``capacity``) instead.
 
-    The threshold rules' payload (:func:`fill_starved`). On XLA:CPU a second
-    payload replaces the first on such steps; on GPU and TPU the blocks'
-    counts decide before the one payload is formed. Returns the payload and
-    the float32 threshold that chose it.
+    The threshold rules' payload (:func:`fill_starved`). ``refit=(holds,
+    fit)``: where ``holds(count)`` of the count above ``threshold`` is false,
+    ``fit()``'s threshold instead, run only then (SIDCo's fill tries the last
+    step's threshold so). On XLA:CPU the threshold's bitmask words give the
+    count and the starved test, and only the words kept are compacted; on
+    GPU and TPU the blocks' counts decide. Either way one payload is formed.
+    Returns it and the float32 threshold that chose it.
     """
     k = capacity if k is None else k
     threshold = jnp.asarray(threshold, jnp.float32)
+    live = [v for v in vectors if v.shape[0]]
+    holds, fit = refit or (None, None)
+
+    def refitted():
+        return jnp.asarray(fit(), jnp.float32)
 
     def by_words():
-        return fill_starved(
-            select_above(vectors, threshold, capacity), threshold, vectors, abs_sum, k
-        )
+        def words_refitted():
+            eta = refitted()
+            return _words(live, eta, False), eta
+
+        words, eta = _words(live, threshold, False), threshold
+        if refit is not None:
+            count = jnp.sum(lax.population_count(words).astype(jnp.int32))
+            words, eta = cond_on_device(holds(count), lambda: (words, eta), words_refitted)
+        return _marked_or_top(live, words, eta, capacity, abs_sum, k)
 
     def by_blocks():
-        live = [v for v in vectors if v.shape[0]]
-        return _by_blocks(live, threshold, capacity, False, jnp.float32, fill=(abs_sum, k))
+        eta = threshold
+        if refit is not None:
+            eta = cond_on_device(holds(passes.count_above(live, eta)), lambda: eta, refitted)
+        return _by_blocks(live, eta, capacity, False, jnp.float32, fill=(abs_sum, k))
 
     return passes.by_platform(by_words, by_blocks, like=vectors)
+
+
+def _marked_or_top(live, words, threshold, capacity: int, abs_sum, k: int):
+    """The entries ``words`` mark, or where they mark none though ``abs_sum > 0``, the
+    exact top-``k``'s (:func:`_top_words`), compacted (XLA:CPU); and the threshold.
+
+    Each branch compacts its own words: compacted after the conditional, XLA:CPU fused
+    the slots' index arithmetic into every leaf's gather (docs/design.md).
+    """
+
+    def top():
+        t = kth_magnitude(live, k)
+        return _top_words(live, k, t), t
+
+    def compacted(words_and_threshold):
+        words, threshold = words_and_threshold
+        return _compact(words, _word_sizes(live), live, capacity, jnp.result_type(*live)), threshold
+
+    starved = (jnp.sum(lax.population_count(words).astype(jnp.int32)) == 0) & (abs_sum > 0)
+    return cond_on_device(starved, lambda: compacted(top()), lambda: compacted((words, threshold)))
 
 
 _BLOCK = 128  # entries per block of _by_blocks (a TPU vector register's lanes)
@@ -437,23 +478,27 @@ def _rows_of(rows, firsts, vectors, block: jax.Array) -> tuple[jax.Array, jax.Ar
     return values, base
 
 
-def _words(vectors, threshold, inclusive: bool, after=None) -> tuple[jax.Array, list[int]]:
+def _words(vectors, threshold, inclusive: bool, after=None) -> jax.Array:
     """Each non-empty vector's bitmask words (:func:`passes.block_words`), zero words
-    up to a whole group after each (each vector starts a group), concatenated; and
-    each vector's word count."""
-    words, word_sizes = [], []
+    up to a whole group after each (each vector starts a group), concatenated."""
+    words = []
     for v in vectors:
         if v.shape[0]:
             after = passes.block_words(v, threshold.astype(v.dtype), after, inclusive, _GROUP)
             words.append(after)
-            word_sizes.append(after.shape[0])
-    return (jnp.concatenate(words) if len(words) > 1 else words[0]), word_sizes
+    return jnp.concatenate(words) if len(words) > 1 else words[0]
+
+
+def _word_sizes(vectors) -> list[int]:
+    """Each non-empty vector's word count in :func:`_words`: whole groups of words."""
+    words = [-(-v.shape[0] // passes.WORD) for v in vectors if v.shape[0]]
+    return [-(-w // _GROUP) * _GROUP for w in words]
 
 
 def _by_words(vectors, threshold, capacity: int, inclusive: bool, dtype) -> Payload:
     """The payload from bitmask words, for XLA:CPU (the module's docstring)."""
-    words, word_sizes = _words(vectors, threshold, inclusive)
-    return _compact(words, word_sizes, vectors, capacity, dtype)
+    words = _words(vectors, threshold, inclusive)
+    return _compact(words, _word_sizes(vectors), vectors, capacity, dtype)
 
 
 def _compact(words, word_sizes, vectors, capacity: int, dtype) -> Payload:
@@ -651,13 +696,18 @@ def _top_by_words(vectors, k: int) -> tuple[Payload, jax.Array]:
     words of the entries above the k-th magnitude, and of the first ties at it."""
     t = kth_magnitude(vectors, k)
     live = [v for v in vectors if v.shape[0]]
-    above, word_sizes = _words(live, t, False)
-    at_least, _ = _words(live, t, True, after=above)
-    ties = k - jnp.sum(lax.population_count(above).astype(jnp.int32))
-    words = above | _first_bits(at_least & ~above, ties)
-    payload = _compact(words, word_sizes, live, k, jnp.result_type(*live))
+    payload = _compact(_top_words(live, k, t), _word_sizes(live), live, k, jnp.result_type(*live))
     count = jnp.minimum(payload.selected, k)  # k, from data (it varies like the rest)
     return payload._replace(count=count, selected=count), t
+
+
+def _top_words(live, k: int, t: jax.Array) -> jax.Array:
+    """The bitmask words of the top-``k`` magnitudes, ``t`` the k-th: every entry above
+    ``t``, and the first of those equal to it."""
+    above = _words(live, t, False)
+    at_least = _words(live, t, True, after=above)
+    ties = k - jnp.sum(lax.population_count(above).astype(jnp.int32))
+    return above | _first_bits(at_least & ~above, ties)
 
 
 def _first_bits(words: jax.Array, count: jax.Array) -> jax.Array:

@@ -26,14 +26,11 @@ from sidco_jax._src.base import (
     check_integer,
     check_number,
     check_ratio,
-    cond_on_device,
     static,
 )
 from sidco_jax._src.loop.options import takes_loop_options
 from sidco_jax._src.loop.rule import Rule, Selection
-from sidco_jax._src.loop.selection import fill_if_starved
 from sidco_jax._src.loop.sparsifier import LoopOptions, build
-from sidco_jax._src.ops import passes
 from sidco_jax._src.ops import payload as payload_lib
 from sidco_jax._src.rules import control as control_lib
 from sidco_jax._src.stats import thresholds
@@ -174,37 +171,20 @@ def _fill(vectors, abs_sum, fitted, previous, cap: int):
     width = min(control_lib.FILL_WIDE * cap, n)
 
     def refit():
-        eta, count = control_lib.bracket(vectors, fitted(), cap)
+        eta, _ = control_lib.bracket(vectors, fitted(), cap)
         # Carried as float32, as the threshold in hand (float64 under x64 input).
-        return eta.astype(jnp.float32), count
+        return eta.astype(jnp.float32)
 
-    def by_words():  # XLA:CPU: the carried threshold's count comes with its payload
-        def refit_wide():
-            eta, _ = refit()
-            return payload_lib.select_above(vectors, eta, width), eta
+    def holds(count):
+        return (previous > 0) & (count >= cap) & (count <= width)
 
-        if previous is None:
-            wide, eta = refit_wide()
-        else:
-            wide = payload_lib.select_above(vectors, previous, width)
-            in_hand = (previous > 0) & (wide.selected >= cap) & (wide.selected <= width)
-            wide, eta = cond_on_device(in_hand, lambda: (wide, previous), refit_wide)
-        chosen = Selection(payload_lib.strongest(wide, cap), eta, cap * SLOT_BYTES)
-        chosen = fill_if_starved(chosen, vectors, abs_sum)
-        return chosen.payload, chosen.threshold
-
-    def by_blocks():  # GPU, TPU: the threshold first, then one payload
-        if previous is None:
-            eta, count = refit()
-        else:
-            held = passes.count_above(vectors, previous)
-            in_hand = (previous > 0) & (held >= cap) & (held <= width)
-            eta, count = cond_on_device(in_hand, lambda: (previous, held), refit)
-        del count  # the payload's own counts tell a starved step
-        wide, eta = payload_lib.select_or_top(vectors, eta, width, abs_sum, k=cap)
-        return payload_lib.strongest(wide, cap), eta
-
-    return passes.by_platform(by_words, by_blocks, like=vectors)
+    if previous is None:
+        wide, eta = payload_lib.select_or_top(vectors, refit(), width, abs_sum, k=cap)
+    else:
+        wide, eta = payload_lib.select_or_top(
+            vectors, previous, width, abs_sum, k=cap, refit=(holds, refit)
+        )
+    return payload_lib.strongest(wide, cap), eta
 
 
 @takes_loop_options
