@@ -237,7 +237,8 @@ PHASES = (
     "other",
     "between thunks",
 )
-_SCOPES = {"error_feedback", "select", "payload", "aggregate", "write_back"}
+# "threshold": a rule's threshold work that runs inside its payload (SIDCo's refit).
+_SCOPES = {"error_feedback", "select", "threshold", "payload", "aggregate", "write_back"}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 

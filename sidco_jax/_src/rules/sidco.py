@@ -171,7 +171,9 @@ def _fill(vectors, abs_sum, fitted, previous, cap: int):
     width = min(control_lib.FILL_WIDE * cap, n)
 
     def refit():
-        eta, _ = control_lib.bracket(vectors, fitted(), cap)
+        # Threshold work, though select_or_top runs it inside its payload (profiles' phases).
+        with jax.named_scope("threshold"):
+            eta, _ = control_lib.bracket(vectors, fitted(), cap)
         # Carried as float32, as the threshold in hand (float64 under x64 input).
         return eta.astype(jnp.float32)
 
