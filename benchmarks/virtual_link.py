@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Sequence
 
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -129,8 +130,16 @@ class VirtualLink:
 
     def close(self) -> None:
         """Removes the namespaces (their veth ends go with them) and their hosts files."""
+        # A command run in a namespace and killed by an interrupt may still be exiting
+        # (subprocess waits a quarter second for it then): until it has, its mount keeps
+        # the namespace busy and ``ip netns del`` fails. So try again for a while.
+        deadline = time.monotonic() + 10
         for namespace in self.namespaces:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+            while True:
+                subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+                if not self._listed(namespace) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
         # Only left in the root namespace when creation failed before moving it.
         subprocess.run(["ip", "link", "del", self.devices[0]], capture_output=True, check=False)
@@ -140,8 +149,12 @@ class VirtualLink:
 
     def exists(self) -> bool:
         """Whether any of this link's namespaces is still there."""
+        return any(self._listed(namespace) for namespace in self.namespaces)
+
+    @staticmethod
+    def _listed(namespace: str) -> bool:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return any(name.split()[0] in self.namespaces for name in listed.splitlines() if name)
+        return any(name.split()[0] == namespace for name in listed.splitlines() if name)
 
 
 def _raise_interrupt(signum, frame):
