@@ -48,35 +48,9 @@ def every_compressor_run() -> dict[str, np.ndarray]:
     return out
 
 
-# One process under XLA's defaults runs both checks (it starts and compiles once): every
-# compressor's run, saved, and un-jitted accumulate against MultiSteps, its failure recorded.
-DEFAULTS_RUN = """
-import traceback
-import numpy as np
-from test_accumulate import un_jitted_against_multisteps
-from test_default_codegen import every_compressor_run
-np.savez({saved!r}, **every_compressor_run())
-try:
-    un_jitted_against_multisteps()
-    failure = ""
-except Exception:
-    failure = traceback.format_exc()
-open({failure!r}, "w").write(failure)
-"""
-
-
-@pytest.fixture(scope="module")
-def defaults(tmp_path_factory) -> tuple[pathlib.Path, str]:
-    """The saved runs under XLA's defaults, and un-jitted accumulate's failure ("": none)."""
-    folder = tmp_path_factory.mktemp("defaults")
-    saved, failure = folder / "defaults.npz", folder / "failure.txt"
-    under_xla_defaults(DEFAULTS_RUN.format(saved=str(saved), failure=str(failure)))
-    return saved, failure.read_text()
-
-
 def under_xla_defaults(statement: str) -> None:
     """Runs ``statement`` in a fresh process with XLA's defaults, this directory importable."""
-    script = f"import sys; sys.path.insert(0, {str(HERE)!r})\n{statement}"
+    script = f"import sys; sys.path.insert(0, {str(HERE)!r}); {statement}"
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -89,8 +63,12 @@ def under_xla_defaults(statement: str) -> None:
     assert "fusion_emitters" in os.environ["XLA_FLAGS"]  # this process: the suite's flags
 
 
-def test_xla_defaults_send_and_keep_what_the_suites_flags_do(defaults):
-    saved, _ = defaults
+def test_xla_defaults_send_and_keep_what_the_suites_flags_do(tmp_path):
+    saved = tmp_path / "defaults.npz"
+    under_xla_defaults(
+        "import numpy as np; from test_default_codegen import every_compressor_run as run;"
+        f"np.savez({str(saved)!r}, **run())"
+    )
     ours = every_compressor_run()
     with np.load(saved) as defaults:
         assert sorted(defaults.files) == sorted(ours)
@@ -104,10 +82,9 @@ def test_xla_defaults_send_and_keep_what_the_suites_flags_do(defaults):
             assert any(map(np.count_nonzero, last)), f"{name}: no {part}"
 
 
-def test_xla_defaults_un_jitted_accumulate_equals_multisteps(defaults):
+def test_xla_defaults_un_jitted_accumulate_equals_multisteps():
     # Defect: un-jitted, accumulate's running mean acc + (g - acc) / (i + 1) ran op by op,
     # rounded twice, where MultiSteps' compiled branch fuses one multiply-add (XLA
     # multiplies by 1 / (i + 1)): a unit in the last place apart, which the momentum and
     # the next selections carried on. The suite's own flags do not fuse it: both agreed.
-    _, failure = defaults
-    assert failure == "", failure[-3000:]
+    under_xla_defaults("from test_accumulate import un_jitted_against_multisteps as run; run()")
