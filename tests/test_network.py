@@ -373,7 +373,6 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
 
 @needs_link
 def test_an_interrupted_benchmark_removes_what_it_created(tmp_path):
-    before = _ours()
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense --steps 1000"
     command = [*BENCHMARK, *options.split()]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -389,5 +388,6 @@ def test_an_interrupted_benchmark_removes_what_it_created(tmp_path):
     process.send_signal(signal.SIGTERM)
     process.communicate(timeout=60)
     assert process.returncode != 0
-    assert _ours() == before
+    # Its own names only: another test's benchmark may hold a link meanwhile.
+    assert not mine & _ours()
     assert not workers()
