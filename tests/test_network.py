@@ -21,7 +21,7 @@ import sidco_jax as sidco
 from benchmarks import network, virtual_link
 
 # -m 'not slow' leaves this file out of a quick run; its links run on one worker at a time.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("network")]
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARK = [sys.executable, "-m", "benchmarks.network"]
@@ -41,6 +41,12 @@ def _namespaces_unavailable() -> str | None:
 needs_link = pytest.mark.skipif(
     bool(reason := _namespaces_unavailable()), reason=f"no network namespaces here: {reason}"
 )
+
+
+def _links_of(pid: int) -> set[str]:
+    """The namespaces of the link a benchmark process creates: another test's benchmark,
+    on the other xdist worker, may hold a link of its own meanwhile."""
+    return {f"sidco{pid}a", f"sidco{pid}b"}
 
 
 def _ours() -> set[str]:
@@ -308,15 +314,17 @@ SPEEDUP = r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)"  # 1.43x (1.38-1.49)
 
 @needs_link
 def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up(tmp_path):
-    before = _ours()
     out = tmp_path / "network.json"
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense sidco-e --ratios 0.05"
     command = [*BENCHMARK, *options.split(), "--rounds", str(ROUNDS), "--steps", str(STEPS)]
     command += ["--json", str(out), "--timeout", str(LIMIT - 30)]
     targets = "--target-bandwidth 100mbit --target-compressors sidco-e sidco-e@2"
     command += [*targets.split(), "--target-rounds", "2", "--target-steps", "4"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    stdout, stderr = process.communicate(timeout=LIMIT)
+    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
     record = json.loads(out.read_text())
     rows = {row["compressor"]: row for row in record["rows"]}
     assert record["host"]["cpu"] and record["host"]["cores"] >= 1
@@ -353,9 +361,9 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     )
     assert [run for _, run in blocks] == [run for round_ in first for run in round_]
 
-    line = next(x for x in done.stdout.splitlines() if x.startswith("| 100mbit | 0.05 | sidco-e |"))
+    line = next(x for x in stdout.splitlines() if x.startswith("| 100mbit | 0.05 | sidco-e |"))
     assert re.search(rf"\| {SPEEDUP} \| - \| - \|$", line), line  # vs dense; no top-k, DGC
-    assert f"{ROUNDS} rounds x {STEPS} steps per compressor" in done.stdout
+    assert f"{ROUNDS} rounds x {STEPS} steps per compressor" in stdout
     # The time-to-loss runs, outer steps among them, each trained in each of 2 rounds.
     reached = record["time_to_target"]
     assert sorted((t["compressor"], t["round"]) for t in reached) == [
@@ -367,8 +375,8 @@ def test_short_benchmark_interleaves_the_compressors_over_the_link_and_cleans_up
     assert all(1 <= t["steps"] <= 4 and 0 < t["final_eval"] <= 1 for t in reached)
     for trace in record["traces"]:  # the clock starts once the first step (the compile) is done
         assert trace["seconds"][0] == 0.0 and np.all(np.diff(trace["seconds"]) > 0), trace
-    assert "| cnn:tiny | 100mbit | sidco-e@2 | 0.01 |" in done.stdout
-    assert _ours() == before
+    assert "| cnn:tiny | 100mbit | sidco-e@2 | 0.01 |" in stdout
+    assert not _links_of(process.pid) & _ours()
 
 
 @needs_link
@@ -376,7 +384,7 @@ def test_an_interrupted_benchmark_removes_what_it_created(tmp_path):
     options = "--bandwidths 100mbit --jobs cnn:tiny --compressors dense --steps 1000"
     command = [*BENCHMARK, *options.split()]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
-    mine = {f"sidco{process.pid}a", f"sidco{process.pid}b"}
+    mine = _links_of(process.pid)
 
     def workers() -> bytes:  # their command lines name the link's devices
         return subprocess.run(["pgrep", "-f", f"sidco{process.pid}a0"], capture_output=True).stdout
@@ -388,6 +396,5 @@ def test_an_interrupted_benchmark_removes_what_it_created(tmp_path):
     process.send_signal(signal.SIGTERM)
     process.communicate(timeout=60)
     assert process.returncode != 0
-    # Its own names only: another test's benchmark may hold a link meanwhile.
     assert not mine & _ours()
     assert not workers()
