@@ -288,13 +288,19 @@ def counts_above(xs: Operands, thresholds: jax.Array, after=None) -> jax.Array:
         return jnp.stack(_row_sums(xs, elementwise, ts, after, width=32))
 
     def plain():  # every count in one reduction per operand
+        # Two-sided, with no |x| that XLA would share between passes and so write out.
         counts = [
-            jnp.sum(jnp.abs(jnp.ravel(x))[:, None] > thresholds, axis=0, dtype=jnp.int32)
+            jnp.sum(_outside(jnp.ravel(x)[:, None], thresholds), axis=0, dtype=jnp.int32)
             for x in as_list(xs)
         ]
         return sum(counts[1:], counts[0])
 
     return by_platform(ordered, plain, like=xs)
+
+
+def _outside(x: jax.Array, t: jax.Array) -> jax.Array:
+    """``|x| > t``."""
+    return (x > t) | (x < -t)
 
 
 def count_above(xs: Operands, threshold: jax.Array, after=None) -> jax.Array:

@@ -366,7 +366,7 @@ _SUPER = 128  # blocks per superblock
 def _prefix(counts: jax.Array) -> jax.Array:
     """Inclusive int32 prefix sums along the last (short) axis, as one compare-and-sum."""
     k = counts.shape[-1]
-    upto = jnp.arange(k)[:, None] <= jnp.arange(k)[None, :]
+    upto = lax.broadcasted_iota(jnp.int32, (k, k), 0) <= lax.broadcasted_iota(jnp.int32, (k, k), 1)
     return jnp.sum(jnp.where(upto, counts[..., :, None], 0), axis=-2, dtype=jnp.int32)
 
 
@@ -379,7 +379,7 @@ def _rank_in(prefix: jax.Array, rank: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _by_blocks(
-    vectors, threshold, capacity: int, inclusive: bool, dtype, ties=None, fill=None
+    vectors, threshold, capacity: int, inclusive: bool, dtype, cutoff=None, fill=None
 ) -> tuple[Payload, jax.Array]:
     """The payload from per-block counts, for GPU and TPU: a few dense kernels, no sort.
 
@@ -388,40 +388,39 @@ def _by_blocks(
     prefix sums, superblock first (``capacity x (n / 2**14 + 128)``
     comparisons), gathers that block's row and finds its entry from the
     row's prefix (a matmul with a triangular matrix, exact on 0/1 values).
-    ``ties``: also the first ``ties`` entries equal to the threshold.
-    ``fill``: ``(abs_sum, k)``: where nothing passes the threshold though
-    ``abs_sum > 0``, the exact top-``k`` instead (:func:`select_or_top`),
-    decided from the blocks' counts. Returns the payload and the threshold.
+    ``cutoff``: also the entries equal to the threshold below that index
+    (:func:`_kth_entry`). ``fill``: ``(abs_sum, k)``: where nothing passes the
+    threshold though ``abs_sum > 0``, the exact top-``k`` instead
+    (:func:`select_or_top`), decided from the blocks' counts. Returns the
+    payload and the threshold.
     """
     compare = jnp.greater_equal if inclusive else jnp.greater
     # NaN padding is never chosen.
     rows = [jnp.pad(v, (0, -v.shape[0] % _BLOCK), constant_values=jnp.nan) for v in vectors]
     rows = [row.reshape(-1, _BLOCK) for row in rows]
-    join = lambda xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+    starts = _offsets([v.shape[0] for v in vectors])
+    columns = np.arange(_BLOCK, dtype=np.int32)
 
-    def count(t):  # per block: entries passing t, and entries equal to it
-        passing = [jnp.sum(compare(jnp.abs(r), t.astype(r.dtype)), 1, jnp.int32) for r in rows]
-        equal = [jnp.sum(jnp.abs(r) == t.astype(r.dtype), 1, jnp.int32) for r in rows]
-        return join(passing), join(equal)
+    def chosen(magnitudes, index, t, cutoff):
+        t = t.astype(magnitudes.dtype)
+        passing = compare(magnitudes, t)
+        return passing if cutoff is None else passing | ((magnitudes == t) & (index < cutoff))
 
-    counts, equal = count(threshold)
+    def count(t, cutoff):  # entries chosen per block
+        counts = []
+        for start, r in zip(starts, rows, strict=False):
+            index = int(start) + _BLOCK * lax.broadcasted_iota(jnp.int32, r.shape, 0) + columns
+            counts.append(jnp.sum(chosen(jnp.abs(r), index, t, cutoff), 1, jnp.int32))
+        return jnp.concatenate(counts) if len(counts) > 1 else counts[0]
+
+    counts = count(threshold, cutoff)
     if fill is not None:
-        threshold, ties, counts, equal = _top_where_starved(
-            vectors, threshold, counts, equal, count, *fill
-        )
+        threshold, cutoff, counts = _top_where_starved(vectors, threshold, counts, count, *fill)
     firsts = np.cumsum([0, *(r.shape[0] for r in rows)])
     blocks = int(firsts[-1])
     supers = -(-blocks // _SUPER)
-
-    def prefixes(counts):  # inclusive, per superblock and over superblocks
-        within = _prefix(jnp.pad(counts, (0, supers * _SUPER - blocks)).reshape(supers, _SUPER))
-        return within, _prefix(within[:, -1])
-
-    if ties is not None:  # each block's share of the ties, in index order
-        within, upto = prefixes(equal)
-        ties_before = (within + (upto - within[:, -1])[:, None]).reshape(-1)[:blocks] - equal
-        counts = counts + jnp.clip(ties - ties_before, 0, equal)
-    within, upto = prefixes(counts)
+    within = _prefix(jnp.pad(counts, (0, supers * _SUPER - blocks)).reshape(supers, _SUPER))
+    upto = _prefix(within[:, -1])
     selected = upto[-1]
 
     rank = jnp.arange(1, capacity + 1, dtype=jnp.int32)
@@ -429,39 +428,34 @@ def _by_blocks(
     inner, rank = _rank_in(within[jnp.minimum(top, supers - 1)], rank)
     block = jnp.minimum(top * _SUPER + inner, blocks - 1)
     values, base = _rows_of(rows, firsts, vectors, block)
-    start = sum(v.shape[0] for v in vectors)
-    tri = jnp.triu(jnp.ones((_BLOCK, _BLOCK), jnp.bfloat16))
-
-    def reach(mask):  # inclusive prefix counts along each row: exact for 0/1 in bfloat16
-        return lax.dot(mask.astype(jnp.bfloat16), tri, preferred_element_type=jnp.float32)
-
-    t = threshold.astype(values.dtype)
-    chosen = compare(jnp.abs(values), t)
-    if ties is not None:
-        tie = jnp.abs(values) == t
-        before = ties_before[block][:, None]
-        chosen = chosen | (tie & (before + reach(tie).astype(jnp.int32) <= ties))
-    hit = chosen & (reach(chosen).astype(jnp.int32) == rank[:, None])
+    square = (_BLOCK, _BLOCK)
+    tri = lax.broadcasted_iota(jnp.int32, square, 0) <= lax.broadcasted_iota(jnp.int32, square, 1)
+    picked = chosen(jnp.abs(values), base[:, None] + columns, threshold, cutoff)
+    # Inclusive prefix counts along each row: exact for 0/1 in bfloat16.
+    reach = lax.dot(
+        picked.astype(jnp.bfloat16), tri.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+    )
+    hit = picked & (reach.astype(jnp.int32) == rank[:, None])
     value = jnp.sum(jnp.where(hit, values, jnp.zeros((), values.dtype)), axis=1)
-    column = jnp.sum(jnp.where(hit, jnp.arange(_BLOCK, dtype=jnp.int32), 0), axis=1)
+    column = jnp.sum(jnp.where(hit, columns, 0), axis=1)
     filled = jnp.arange(capacity) < selected
-    indices = jnp.where(filled, base + column, start)  # start: the entry count n
+    indices = jnp.where(filled, base + column, int(starts[-1]))  # the entry count n
     values = jnp.where(filled, value, jnp.zeros((), dtype)).astype(dtype)
     payload = Payload(values, indices.astype(jnp.int32), jnp.minimum(selected, capacity), selected)
     return payload, threshold
 
 
-def _top_where_starved(vectors, threshold, counts, equal, count, abs_sum, k: int):
+def _top_where_starved(vectors, threshold, counts, count, abs_sum, k: int):
     """``threshold`` and its blocks' counts, or where nothing passes it though ``abs_sum > 0``,
-    the ``k``-th magnitude's, with the ties it leaves to fill (:func:`select_or_top`)."""
+    the ``k``-th magnitude's and the index cutoff of its ties (:func:`select_or_top`)."""
 
     def top():
-        t = kth_magnitude(vectors, k).astype(threshold.dtype)
-        counts, equal = count(t)
-        return t, k - jnp.sum(counts), counts, equal
+        t, cutoff = _kth_entry(vectors, k)
+        t = t.astype(threshold.dtype)
+        return t, cutoff, count(t, cutoff)
 
     starved = (jnp.sum(counts) == 0) & (abs_sum > 0)
-    keep = lambda: (threshold, jnp.zeros((), jnp.int32), counts, equal)  # noqa: E731
+    keep = lambda: (threshold, jnp.zeros((), jnp.int32), counts)  # noqa: E731
     return cond_on_device(starved, top, keep)
 
 
@@ -544,6 +538,9 @@ def _compact(words, word_sizes, vectors, capacity: int, dtype) -> Payload:
     return Payload(values, indices, jnp.minimum(selected, capacity), selected)
 
 
+_PAST = np.iinfo(np.int32).max  # after every index
+
+
 @in_payload_phase
 def strongest(payload: Payload, capacity: int) -> Payload:
     """The ``capacity`` largest magnitudes of a wider payload, as a payload of ``capacity`` slots.
@@ -564,9 +561,15 @@ def strongest(payload: Payload, capacity: int) -> Payload:
         values = jnp.zeros(capacity, payload.values.dtype).at[at].set(payload.values, mode="drop")
         return values, jnp.zeros(capacity, jnp.int32).at[at].set(payload.indices, mode="drop")
 
-    def by_sort():  # GPU, TPU: top_k's slots sorted back into slot order, then read
-        pick = jnp.sort(lax.top_k(magnitudes, capacity)[1])
-        return payload.values[pick], payload.indices[pick]
+    def by_sort():  # GPU, TPU: two sorts that carry the slots along, no gather
+        # Largest first, ties in slot order (the lower index), as lax.top_k; then the
+        # first capacity back in index order.
+        keys = (-magnitudes, payload.indices, payload.values)
+        _, indices, values = lax.sort(keys, num_keys=1, is_stable=True)
+        # Past the first capacity, past every index: sliced after the sort (one kernel less).
+        keep = jnp.arange(indices.shape[0]) < capacity
+        indices, values = lax.sort((jnp.where(keep, indices, _PAST), values), num_keys=1)
+        return values[:capacity], indices[:capacity]
 
     values, indices = passes.by_platform(by_count, by_sort, like=magnitudes)
     selected = jnp.asarray(payload.selected, jnp.int32)
@@ -646,25 +649,75 @@ def kth_magnitude(vectors: Sequence[jax.Array], k: int) -> jax.Array:
     """
     vectors = [v for v in vectors if v.shape[0]]
     (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v.astype(jnp.float32))], op=jnp.max)
-    ways = jnp.arange(1, _WAYS, dtype=jnp.int32)
 
     def narrow(_, bounds):
         # Invariant: count(|x| > lo) >= k > count(|x| > hi), lo = -1 standing below 0.
         lo, hi = bounds
-        width = hi - lo
-        candidates = lo + (width // _WAYS) * ways + jnp.minimum(ways, width % _WAYS)
+        candidates = _between(lo, hi)
         counts = passes.counts_above(vectors, lax.bitcast_convert_type(candidates, jnp.float32), hi)
         filled = counts >= k
         lo = jnp.max(jnp.where(filled, candidates, lo))
         hi = jnp.min(jnp.where(filled, hi, candidates))
         return lo, hi
 
-    width, iterations = 2**31, 0  # the widest gap, then (gap // _WAYS) + 1 after each pass
-    while width > 1:
-        width, iterations = width // _WAYS + 1, iterations + 1
     hi = lax.bitcast_convert_type(top, jnp.int32)
-    _, hi = lax.fori_loop(0, iterations, narrow, (hi * 0 - 1, hi))  # lo varies like the data
+    _, hi = lax.fori_loop(0, _passes(2**31), narrow, (hi * 0 - 1, hi))  # lo varies like the data
     return lax.bitcast_convert_type(hi, jnp.float32)
+
+
+def _kth_entry(vectors, k: int) -> tuple[jax.Array, jax.Array]:
+    """The ``k``-th magnitude ``t`` (:func:`kth_magnitude`) and the least index ``c`` at
+    which the entries above ``t``, with those equal to it below ``c``, number ``k``: the
+    top-``k``, ties going to the lower index (GPU and TPU).
+
+    One loop of counting passes narrows ``t``'s bit pattern, then ``c``: a pass
+    counts ``|x| > a`` or ``|x| == a`` below ``d`` for ``_WAYS - 1`` candidates.
+    """
+    starts = _offsets([v.shape[0] for v in vectors])
+    n = int(starts[-1])
+    (top,) = passes.reduce_each(vectors, [lambda v, z: jnp.abs(v.astype(jnp.float32))], op=jnp.max)
+    magnitude_passes = _passes(2**31)
+
+    def narrow(i, bounds):
+        # Invariants: count(|x| > lo) >= k > count(|x| > hi), lo = -1 standing below 0;
+        # then, t = hi, count(below) < k <= count(upto), counting ties below the cutoff.
+        lo, hi, below, upto = bounds
+        cutting = i >= magnitude_passes
+        at = jnp.where(cutting, hi, _between(lo, hi))
+        cut = jnp.where(cutting, _between(below, upto), 0)
+        a = lax.bitcast_convert_type(at, jnp.float32)
+        counts = jnp.zeros_like(at)
+        for start, v in zip(starts, vectors, strict=False):
+            m = jnp.abs(v.astype(jnp.float32))[:, None]
+            index = int(start) + lax.broadcasted_iota(jnp.int32, m.shape, 0)
+            counts += jnp.sum((m > a) | ((m == a) & (index < cut)), 0, jnp.int32)
+        filled = counts >= k
+        lo = jnp.where(cutting, lo, jnp.max(jnp.where(filled, at, lo)))
+        hi = jnp.where(cutting, hi, jnp.min(jnp.where(filled, hi, at)))
+        below = jnp.where(cutting, jnp.max(jnp.where(filled, below, cut)), below)
+        upto = jnp.where(cutting, jnp.min(jnp.where(filled, cut, upto)), upto)
+        return lo, hi, below, upto
+
+    hi = lax.bitcast_convert_type(top, jnp.int32)
+    zero = hi * 0  # varies like the data
+    iterations = magnitude_passes + _passes(n)
+    _, hi, _, cutoff = lax.fori_loop(0, iterations, narrow, (zero - 1, hi, zero, zero + n))
+    return lax.bitcast_convert_type(hi, jnp.float32), cutoff
+
+
+def _between(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """``_WAYS - 1`` integers that cut ``(lo, hi)`` into ``_WAYS`` gaps of near-equal width."""
+    ways = jnp.arange(1, _WAYS, dtype=jnp.int32)
+    width = hi - lo
+    return lo + (width // _WAYS) * ways + jnp.minimum(ways, width % _WAYS)
+
+
+def _passes(width: int) -> int:
+    """Counting passes that narrow a gap of ``width`` to one: ``gap // _WAYS + 1`` after each."""
+    passes_ = 0
+    while width > 1:
+        width, passes_ = width // _WAYS + 1, passes_ + 1
+    return passes_
 
 
 @in_payload_phase
@@ -683,10 +736,9 @@ def top_by_count(vectors: Sequence[jax.Array], k: int) -> tuple[Payload, jax.Arr
 
 def _top_by_blocks(vectors, k: int) -> tuple[Payload, jax.Array]:
     """:func:`top_by_count`'s payload in one compaction with ties (GPU and TPU)."""
-    t = kth_magnitude(vectors, k)
     live = [v for v in vectors if v.shape[0]]
-    ties = k - passes.count_above(live, t)
-    payload, _ = _by_blocks(live, t, k, False, jnp.result_type(*live), ties)
+    t, cutoff = _kth_entry(live, k)
+    payload, _ = _by_blocks(live, t, k, False, jnp.result_type(*live), cutoff)
     count = jnp.minimum(payload.selected, k)  # k, from data (it varies like the rest)
     return payload._replace(count=count, selected=count), t
 
