@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sidco_jax._src.ops import passes
 
@@ -184,13 +185,20 @@ def bracket(
       the int32 count of entries above it.
     """
     eta = jnp.asarray(eta, jnp.float32)
-    steps = jnp.linspace(0.0, 1.0, BRACKET)
+    steps = np.linspace(0.0, 1.0, BRACKET, dtype=np.float32)  # constants, not computed
     low, high, after = eta / BRACKET_SPAN, eta * BRACKET_SPAN, eta
     for _ in range(2):
-        candidates = jnp.where(eta > 0, low * (high / low) ** steps, eta)  # 0 stays 0
+        # From low to high (x**0 and x**1 exact); 0 stays 0.
+        low, high = jnp.where(eta > 0, low, eta), jnp.where(eta > 0, high, eta)
+        candidates = jnp.where(eta > 0, low * (high / low) ** steps, eta)
         counts = passes.counts_above(vectors, candidates, after)
-        # Counts fall along the candidates: the last one still filling the payload.
-        best = jnp.maximum(jnp.sum(counts >= capacity) - 1, 0)
-        low, high = candidates[best], candidates[jnp.minimum(best + 1, BRACKET - 1)]
+        # Counts fall along the candidates: the last one still filling the payload (else
+        # the first), and the next. Reductions, not indexing: fewer kernels on a TPU.
+        fills = counts >= capacity
+        low, high = (
+            jnp.max(jnp.where(fills, candidates, low)),
+            jnp.min(jnp.where(fills | (jnp.arange(BRACKET) == 0), low * (high / low), candidates)),
+        )
+        count = jnp.min(jnp.where(fills, counts, counts[0]))
         after = counts[0].astype(jnp.float32)
-    return low, counts[best]
+    return low, count
