@@ -12,10 +12,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sidco_jax._src.ops import passes
-from sidco_jax._src.ops import payload as payload_lib
 
 
 class Fed(NamedTuple):
@@ -53,25 +53,40 @@ def _recovered(g, r, gradient_ok):
     return jnp.clip(_finite(g) + _finite(r), -top, top)
 
 
+def _checks(g, r) -> tuple[jax.Array, ...]:
+    """Non-finite entries of ``g`` and of ``r``, and ``sum |g + r|`` of what is finite,
+    with and without ``g``: one variadic reduction."""
+    r = jnp.broadcast_to(r, g.shape)  # a scalar zero without error feedback
+    terms = (
+        (~jnp.isfinite(g)).astype(jnp.int32),
+        (~jnp.isfinite(r)).astype(jnp.int32),
+        jnp.abs(_recovered(g, r, True)).astype(jnp.float32),
+        jnp.abs(_recovered(g, r, False)).astype(jnp.float32),
+    )
+    zeros = (np.int32(0), np.int32(0), np.float32(0), np.float32(0))
+    add = lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True))  # noqa: E731
+    return lax.reduce(terms, zeros, add, tuple(range(g.ndim)))
+
+
 def _diagnose(pairs, others, error_feedback):
     """Runs only when a per-part sum is not finite: what exactly is wrong.
 
     Returns whether every gradient entry is finite, how many residual entries
     are not (to be dropped), and the per-part sums ``|g + r|`` of what remains.
     """
+    # One variadic pass per part (on a TPU one kernel, not one per reduction): its
+    # non-finite gradient and residual entries, and |g + r| with and without the gradient.
+    checks = [_checks(g, r) for g, r in pairs]
     gradient_ok = jnp.all(
-        jnp.stack(
-            [jnp.all(jnp.isfinite(g)) for g, _ in pairs]
-            + [jnp.all(jnp.isfinite(c)) for c in others]
-        )
+        jnp.stack([bad_g == 0 for bad_g, *_ in checks] + [jnp.all(jnp.isfinite(c)) for c in others])
     )
     dropped = jnp.zeros_like(gradient_ok, jnp.int32)  # varies across devices like the rest
     if error_feedback:
         # Counted in the metrics, not warned about from the device: a host
         # callback anywhere in the update, even in this branch that seldom
         # runs, slowed every update on XLA's CPU backend.
-        dropped += sum(jnp.sum(~jnp.isfinite(r), dtype=jnp.int32) for _, r in pairs)
-    sums = [jnp.sum(jnp.abs(_recovered(g, r, gradient_ok))) for g, r in pairs]
+        dropped += sum(bad_r for _, bad_r, _, _ in checks)
+    sums = [jnp.where(gradient_ok, with_g, without) for *_, with_g, without in checks]
     sums += [jnp.sum(jnp.abs(_finite(c))) for c in others]
     return gradient_ok, dropped, jnp.stack(sums).astype(jnp.float32)
 
@@ -107,10 +122,13 @@ def error_feedback(pairs, others: Sequence[jax.Array], error_feedback: bool) -> 
     return Fed(u, abs_sums, finite, dropped)
 
 
-def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.Array:
-    """``x`` with ``values`` subtracted at row-major ``flat_index`` (``x.size``: dropped).
+def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array, in_order: bool):
+    """``x`` with ``values`` subtracted at row-major ``flat_index`` (outside ``[0, x.size)``:
+    dropped).
 
     Indexed in ``x``'s own shape, so XLA updates it in place in its buffer.
+    ``in_order``: the indices ascend (a payload's), so a GPU or TPU scatters
+    without sorting them first.
     """
     if x.size == 0:
         return x
@@ -118,8 +136,22 @@ def _subtract_at(x: jax.Array, flat_index: jax.Array, values: jax.Array) -> jax.
     for dim in reversed(x.shape[1:]):
         index.append(rest % dim)
         rest = rest // dim
-    index.append(rest)  # the padding index x.size lands past the first axis: dropped
-    return x.at[tuple(reversed(index))].add(-values, mode="drop")
+    index.append(rest)  # outside x: past (or before) the first axis, so dropped
+    rank = len(index)
+    numbers = lax.ScatterDimensionNumbers(
+        update_window_dims=(),
+        inserted_window_dims=tuple(range(rank)),
+        scatter_dims_to_operand_dims=tuple(range(rank)),
+    )
+    # lax's scatter, not .at[]: that would wrap a negative index into x.
+    return lax.scatter_add(
+        x,
+        jnp.stack(index[::-1], axis=-1),
+        -values.astype(x.dtype),
+        numbers,
+        indices_are_sorted=in_order,
+        mode=lax.GatherScatterMode.FILL_OR_DROP,
+    )
 
 
 def write_back(u, finite, sent, kept, sizes: Sequence[int]) -> list[jax.Array]:
@@ -140,7 +172,10 @@ def write_back(u, finite, sent, kept, sizes: Sequence[int]) -> list[jax.Array]:
         if sent is None:
             return [jnp.where(finite, jnp.zeros((), x.dtype), x) for x in u]
         # Subtracted in place, part by part: exactly what was not sent stays.
-        for indices, values in [sent, *((i, -v) for i, v in kept)]:
-            local = payload_lib.local_indices(indices, sizes)
-            u = [_subtract_at(x, at, values) for x, at in zip(u, local, strict=True)]
+        starts = np.cumsum([0, *sizes[:-1]])
+        for indices, values, in_order in [(*sent, True), *((i, -v, False) for i, v in kept)]:
+            u = [
+                _subtract_at(x, indices - int(start), values, in_order)
+                for x, start in zip(u, starts, strict=True)
+            ]
         return u
