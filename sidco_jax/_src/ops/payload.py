@@ -425,7 +425,9 @@ def _by_blocks(
 
     rank = jnp.arange(1, capacity + 1, dtype=jnp.int32)
     top, rank = _rank_in(upto[None, :], rank)
-    inner, rank = _rank_in(within[jnp.minimum(top, supers - 1)], rank)
+    pick = lax.broadcasted_iota(jnp.int32, (capacity, supers), 1) == top[:, None]
+    row = lax.dot(pick.astype(jnp.float32), within.astype(jnp.float32), precision="highest")
+    inner, rank = _rank_in(row.astype(jnp.int32), rank)
     block = jnp.minimum(top * _SUPER + inner, blocks - 1)
     values, base = _rows_of(rows, firsts, vectors, block)
     square = (_BLOCK, _BLOCK)
@@ -464,7 +466,7 @@ def _rows_of(rows, firsts, vectors, block: jax.Array) -> tuple[jax.Array, jax.Ar
     values, base, start = None, None, 0
     for row, first, last, v in zip(rows, firsts[:-1], firsts[1:], vectors, strict=True):
         local = jnp.clip(block - int(first), 0, int(last - first) - 1)
-        got, at = row[local], start + local * _BLOCK
+        got, at = row.at[local].get(mode="promise_in_bounds"), start + local * _BLOCK
         inside = block >= first
         values = got if values is None else jnp.where(inside[:, None], got, values)
         base = at if base is None else jnp.where(inside, at, base)
