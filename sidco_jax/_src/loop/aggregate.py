@@ -135,13 +135,20 @@ def agree(axis_name: AxisName | None, local: Figures) -> Figures:
     if axis_name is None:
         return local
     finite, sent, selected, eta, dropped = local
-    ints = jnp.stack([(~finite).astype(jnp.int32), sent.astype(jnp.int32), dropped])
-    # Selected counts can exceed int32 once summed: float32 is enough for a density.
-    floats = jnp.concatenate([jnp.reshape(selected, (1,)).astype(jnp.float32), eta.reshape(-1)])
-    ints, floats = lax.psum((ints, floats), axis_name)
-    devices = lax.axis_size(axis_name)
-    eta = (floats[1:] / devices).reshape(eta.shape)
-    return Figures(ints[0] == 0, ints[1], floats[0], eta, ints[2])
+    # Scalars, not stacked: XLA combines the reductions into one all-reduce either way, and
+    # a stack is a kernel of its own on a TPU. Selected counts can exceed int32 once
+    # summed: float32 is enough for a density.
+    bad, sent, selected, eta, dropped = lax.psum(
+        (
+            (~finite).astype(jnp.int32),
+            sent.astype(jnp.int32),
+            selected.astype(jnp.float32),
+            eta.astype(jnp.float32),
+            dropped,
+        ),
+        axis_name,
+    )
+    return Figures(bad == 0, sent, selected, eta / lax.axis_size(axis_name), dropped)
 
 
 class Aggregated(NamedTuple):
