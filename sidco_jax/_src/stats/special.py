@@ -22,7 +22,9 @@ _TOLERANCE = 2e-6  # on log x, relative to 1 + |log x|: float32 noise
 
 def _initial_log_x(a, p, q):
     """A starting point for log x: Wilson-Hilferty, or a tail asymptote where it fails."""
-    z = special.ndtri(q) * -1.0  # upper-tail normal quantile
+    # The upper-tail normal quantile, by erfinv: ndtri's coefficient tables are a
+    # copy-start and a slice each on a TPU, and a starting point needs no more.
+    z = jnp.sqrt(2.0) * lax.erf_inv(1.0 - 2.0 * q)
     c = 1.0 / (9.0 * a)
     wh = a * (1.0 - c + z * jnp.sqrt(c)) ** 3
     # Small x: P(a, x) ~ x^a / Gamma(a + 1).
