@@ -96,18 +96,19 @@ def test_kernels_counts_a_conditional_by_its_branches_and_a_loop_once():
     assert found.longest >= found.cheapest + 4  # the busy branch's reductions
 
 
-# SIDCo-E's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
+# SIDCo's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
 # TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most.
-SIDCO_E_KERNELS = 60
+SIDCO_KERNELS = 60
 
 
 @pytest.mark.slow
-def test_sidco_es_tpu_program_stays_within_its_kernel_bound():
+@pytest.mark.parametrize("method", ["sidco-e", "sidco-p", "sidco-gp"])
+def test_sidcos_tpu_program_stays_within_its_kernel_bound(method):
     require_libtpu()
     from benchmarks import accelerator
 
-    got = accelerator.row("sidco-e", "leaf", 0.001, accelerator.tpu_mesh())
-    assert got["longest"] <= SIDCO_E_KERNELS, got
+    got = accelerator.row(method, "leaf", 0.001, accelerator.tpu_mesh())
+    assert got["longest"] <= SIDCO_KERNELS, got
     capacity = sidco.capacity(2**22, 0.001)
     # No sort of the gradient: the widest sorts the payload's candidates.
     assert got["largest_sort"] <= control.FILL_WIDE * capacity, got
