@@ -214,10 +214,14 @@ def _sums(xs: Operands, elementwise, scalars: Sequence[jax.Array]) -> list[jax.A
     """:func:`_row_sums` as plain sums, for GPU and TPU (one fusion per operand)."""
     totals = None
     zero = jnp.zeros((), jnp.float32)
+    add = lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True))  # noqa: E731
     for x in as_list(xs):
-        part = [jnp.sum(v, dtype=v.dtype) for v in elementwise(jnp.ravel(x), zero, *scalars)]
-        totals = part if totals is None else [a + b for a, b in zip(totals, part, strict=True)]
-    return totals
+        terms = tuple(elementwise(jnp.ravel(x), zero, *scalars))
+        # One variadic reduction: XLA keeps sums of different dtypes apart otherwise (one
+        # kernel each on a TPU).
+        part = lax.reduce(terms, tuple(jnp.zeros((), v.dtype) for v in terms), add, (0,))
+        totals = part if totals is None else add(totals, part)
+    return list(totals)
 
 
 def _row_sums_ordered(xs, elementwise, scalars, after, width: int) -> list[jax.Array]:
