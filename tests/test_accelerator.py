@@ -97,12 +97,14 @@ def test_kernels_counts_a_conditional_by_its_branches_and_a_loop_once():
 
 
 # SIDCo's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
-# TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most.
+# TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most. SIDCo-P's
+# program is SIDCo-E's with one more sum in its passes (the accelerator table
+# holds it); SIDCo-GP's adds the gamma fit.
 SIDCO_KERNELS = 60
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["sidco-e", "sidco-p", "sidco-gp"])
+@pytest.mark.parametrize("method", ["sidco-e", "sidco-gp"])
 def test_sidcos_tpu_program_stays_within_its_kernel_bound(method):
     require_libtpu()
     from benchmarks import accelerator
