@@ -98,8 +98,8 @@ def test_kernels_counts_a_conditional_by_its_branches_and_a_loop_once():
 
 # SIDCo's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
 # TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most. SIDCo-P's
-# program is SIDCo-E's with one more sum in its passes (the accelerator table
-# holds it); SIDCo-GP's adds the gamma fit.
+# program differs from SIDCo-E's only in its fit's sums (the accelerator table
+# holds it: 58); SIDCo-GP's adds the gamma fit.
 SIDCO_KERNELS = 60
 
 
