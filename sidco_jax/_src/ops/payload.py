@@ -386,8 +386,10 @@ def _by_blocks(
     One pass counts the selected entries of every block of :data:`_BLOCK`;
     each slot then finds its block by comparing its rank with the blocks'
     prefix sums, superblock first (``capacity x (n / 2**14 + 128)``
-    comparisons), gathers that block's row and finds its entry from the
-    row's prefix (a matmul with a triangular matrix, exact on 0/1 values).
+    comparisons; the superblock's prefixes taken by a one-hot matmul, where
+    a gather costs a TPU index kernels of its own), gathers that block's row
+    and finds its entry from the row's prefix (a matmul with a triangular
+    matrix, exact on 0/1 values).
     ``cutoff``: also the entries equal to the threshold below that index
     (:func:`_kth_entry`). ``fill``: ``(abs_sum, k)``: where nothing passes the
     threshold though ``abs_sum > 0``, the exact top-``k`` instead
