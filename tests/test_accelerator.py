@@ -96,20 +96,19 @@ def test_kernels_counts_a_conditional_by_its_branches_and_a_loop_once():
     assert found.longest >= found.cheapest + 4  # the busy branch's reductions
 
 
-# SIDCo's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
-# TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most. SIDCo-P's
-# program differs from SIDCo-E's only in its fit's sums (the accelerator table
-# holds it: 58); SIDCo-GP's adds the gamma fit.
+# SIDCo-E's default update, one 2^22 bucket at ratio 0.001, over 4 chips of a
+# TPU v5e: kernels on its longest path (sidco.hlo.kernels), at most. SIDCo-P and
+# -GP share its program but for their fits (the accelerator table holds them
+# under the same bound); CI compiles one, for time.
 SIDCO_KERNELS = 60
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["sidco-e", "sidco-gp"])
-def test_sidcos_tpu_program_stays_within_its_kernel_bound(method):
+def test_sidco_es_tpu_program_stays_within_its_kernel_bound():
     require_libtpu()
     from benchmarks import accelerator
 
-    got = accelerator.row(method, "leaf", 0.001, accelerator.tpu_mesh())
+    got = accelerator.row("sidco-e", "leaf", 0.001, accelerator.tpu_mesh())
     assert got["longest"] <= SIDCO_KERNELS, got
     capacity = sidco.capacity(2**22, 0.001)
     # No sort of the gradient: the widest sorts the payload's candidates.
